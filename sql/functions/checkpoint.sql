@@ -1,0 +1,52 @@
+-- Records how far the operation got, in the caller's transaction: the step's own writes and the
+-- recovery point commit together or not at all, so a worker that takes the key over after a
+-- crash sees exactly the steps whose effects are durable. Fenced: a stale token raises.
+CREATE FUNCTION idempotency.checkpoint(
+    scope text,
+    key text,
+    lease_token bigint,
+    recovery_point text,
+    extend interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(checkpoint.reference_time, clock_timestamp());
+    v_expires timestamptz;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
+    PERFORM idempotency._check_name('idempotency.checkpoint', 'key', checkpoint.key);
+    IF checkpoint.lease_token IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.checkpoint', 'lease_token', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    PERFORM idempotency._check_name('idempotency.checkpoint', 'recovery_point',
+                                    checkpoint.recovery_point);
+    IF checkpoint.extend IS NOT NULL THEN
+        PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend', checkpoint.extend);
+    END IF;
+
+    UPDATE idempotency.keys AS k
+    SET recovery_point = checkpoint.recovery_point,
+        lease_expires_at = CASE WHEN checkpoint.extend IS NULL THEN k.lease_expires_at
+            ELSE greatest(k.lease_expires_at, v_now + checkpoint.extend) END
+    WHERE k.scope = checkpoint.scope AND k.key = checkpoint.key
+      AND k.lease_token = checkpoint.lease_token AND k.state = 'in_progress'
+    RETURNING k.lease_expires_at INTO v_expires;
+    IF NOT FOUND THEN
+        PERFORM idempotency._lease_error('idempotency.checkpoint', checkpoint.scope,
+                                         checkpoint.key, checkpoint.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.checkpoint(text, text, bigint, text, interval, timestamptz) IS
+'Record recovery_point for a key you hold (in your transaction, with that step''s writes),
+optionally extending the lease to at least now + extend. Returns the lease expiry. Raises IK001
+(lease lost), IK003 (no such key) or IK004 (already completed).';

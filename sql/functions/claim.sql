@@ -1,0 +1,129 @@
+-- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
+-- retries see the claim at once; its advisory lock lasts until that transaction ends.
+--
+-- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
+-- lease expired; you own it under a higher token and should reconcile from recovery_point),
+-- replay (completed: return the stored response), in_progress (someone holds a live lease:
+-- retry after retry_after), mismatch (the key was used with a different request: never execute,
+-- never replay).
+CREATE FUNCTION idempotency.claim(
+    scope text,
+    key text,
+    request jsonb,
+    lease interval DEFAULT '30 seconds',
+    fingerprint bytea DEFAULT NULL,
+    strict boolean DEFAULT false,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+-- SECURITY DEFINER so that an application role can claim keys without any privilege on the
+-- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(claim.reference_time, clock_timestamp());
+    v_fingerprint bytea;
+    v_existing idempotency.keys;
+    v_result idempotency.claim_result;
+BEGIN
+    -- One inlined test for the common case; the _check_* calls say what is wrong.
+    IF NOT (idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+            AND idempotency._lease_ok(claim.lease)) THEN
+        PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
+        PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
+        PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
+    END IF;
+    IF claim.fingerprint IS NOT NULL THEN
+        IF claim.request IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK016',
+                'must be NULL when request is given',
+                'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                || 'fingerprint, not both.');
+        ELSIF octet_length(claim.fingerprint) <> 32 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                format('It is %s bytes long.', octet_length(claim.fingerprint)));
+        END IF;
+        v_fingerprint := claim.fingerprint;
+    ELSIF claim.request IS NULL THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+            'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+    ELSE
+        -- fingerprint(request) without its defaults/fields handling, saving a call.
+        v_fingerprint := sha256(convert_to(idempotency.canonical_json(claim.request), 'UTF8'));
+    END IF;
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM idempotency._require_read_committed('idempotency.claim');
+    END IF;
+
+    PERFORM idempotency._lock_name(1, claim.scope, claim.key);
+    -- From here on each statement reads with a snapshot taken after the lock, so it sees every
+    -- claim of this key that committed before us, in whichever partition it landed.
+    FOR attempt IN 1 .. 5 LOOP
+        -- Insert unless the key exists, in one statement: new keys (the common case) cost one
+        -- query. The created_at bound lets the executor skip the partitions made ahead, which
+        -- cannot hold the key yet; the hour of slack covers a clock step backwards.
+        INSERT INTO idempotency.keys AS k (
+            scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+        )
+        SELECT claim.scope, claim.key, v_fingerprint, 'in_progress',
+               nextval('idempotency.lease_token_seq'), v_now + claim.lease, v_now
+        WHERE NOT EXISTS (
+            SELECT FROM idempotency.keys AS e
+            WHERE e.scope = claim.scope AND e.key = claim.key
+              AND e.created_at < v_now + interval '1 hour'
+        )
+        RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+                  NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                  NULL::interval, k.created_at, NULL::timestamptz
+        INTO v_result;
+        IF FOUND THEN
+            RETURN v_result;
+        END IF;
+
+        SELECT k.* INTO v_existing
+        FROM idempotency.keys AS k
+        WHERE k.scope = claim.scope AND k.key = claim.key
+          AND k.created_at < v_now + interval '1 hour';
+        CONTINUE WHEN NOT FOUND;  -- released since the insert looked: insert again
+
+        IF v_existing.fingerprint <> v_fingerprint THEN
+            IF claim.strict THEN
+                RAISE EXCEPTION USING
+                    MESSAGE = format('idempotency.claim: key %s in scope %s was used with a '
+                                     'different request', to_json(claim.key),
+                                     to_json(claim.scope)),
+                    ERRCODE = 'IK002',
+                    DETAIL = format('Stored fingerprint %s, this request %s.',
+                                    encode(v_existing.fingerprint, 'hex'),
+                                    encode(v_fingerprint, 'hex')),
+                    HINT = 'Use a new idempotency key for a different request.';
+            END IF;
+            v_result.outcome := 'mismatch';
+            v_result.created_at := v_existing.created_at;
+            RETURN v_result;
+        END IF;
+
+        v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+        -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+        -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
+    END LOOP;
+    -- Five lost races in a row means the owner is actively heartbeating: it is in progress.
+    v_result.outcome := 'in_progress';
+    v_result.retry_after := claim.lease;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
+'Claim an idempotency key: outcome claimed | resumed | replay | in_progress | mismatch (with
+strict => true a mismatch raises IK002). Pass request (hashed by idempotency.fingerprint) or your
+own 32-byte fingerprint. reference_time is for tests; leave it NULL. See docs/sql-api.md.';

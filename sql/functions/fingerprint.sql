@@ -1,0 +1,51 @@
+-- sha256 of the canonical request. defaults are applied first (a shallow merge: a top-level
+-- field the request omits takes its default, so omitting a field and sending its default give
+-- the same fingerprint); then, when fields is given, only those top-level fields count, so
+-- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
+-- retry into a mismatch.
+CREATE FUNCTION idempotency.fingerprint(
+    request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
+)
+RETURNS bytea
+LANGUAGE plpgsql
+IMMUTABLE
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_request jsonb := fingerprint.request;
+BEGIN
+    IF v_request IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
+        IF jsonb_typeof(v_request) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'request', 'IK015',
+                'must be a JSON object when defaults or fields are given',
+                format('It is a JSON %s.', jsonb_typeof(v_request)));
+        END IF;
+        IF jsonb_typeof(fingerprint.defaults) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
+                format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
+        END IF;
+        IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
+                                                  'must not contain NULL');
+        END IF;
+        v_request := coalesce(fingerprint.defaults, '{}') || v_request;
+        IF fingerprint.fields IS NOT NULL THEN
+            SELECT coalesce(jsonb_object_agg(m.key, m.value), '{}') INTO v_request
+            FROM jsonb_each(v_request) AS m
+            WHERE m.key = ANY(fingerprint.fields);
+        END IF;
+    END IF;
+    RETURN sha256(convert_to(idempotency.canonical_json(v_request), 'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.fingerprint(jsonb, jsonb, text[]) IS
+'sha256 (32 bytes) of the canonical form of request, after applying defaults and keeping only
+fields when given. Definition and test vectors: docs/fingerprint.md, tests/vectors/fingerprint.json.';

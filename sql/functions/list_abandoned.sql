@@ -1,0 +1,43 @@
+-- Keys whose lease expired while in progress, oldest expiry first. The rows stay locked
+-- (FOR UPDATE SKIP LOCKED) until the caller's transaction ends, so several completers can each
+-- take a disjoint batch and call takeover() on it in the same transaction.
+CREATE FUNCTION idempotency.list_abandoned(
+    max_keys integer DEFAULT 100,
+    scope text DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS SETOF idempotency.abandoned_key
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF list_abandoned.max_keys IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK010',
+                                              'must not be NULL');
+    ELSIF list_abandoned.max_keys NOT BETWEEN 1 AND 10000 THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK014',
+                                              'must be between 1 and 10000',
+                                              format('It is %s.', list_abandoned.max_keys));
+    END IF;
+    IF list_abandoned.scope IS NOT NULL THEN
+        PERFORM idempotency._check_name('idempotency.list_abandoned', 'scope',
+                                        list_abandoned.scope);
+    END IF;
+
+    RETURN QUERY
+    SELECT k.scope, k.key, k.lease_expires_at, k.recovery_point, k.attempts, k.created_at
+    FROM idempotency.keys AS k
+    WHERE k.state = 'in_progress'
+      AND k.lease_expires_at <= coalesce(list_abandoned.reference_time, clock_timestamp())
+      AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
+    ORDER BY k.lease_expires_at
+    LIMIT list_abandoned.max_keys
+    FOR UPDATE OF k SKIP LOCKED;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.list_abandoned(integer, text, timestamptz) IS
+'Up to max_keys in-progress keys whose lease expired (optionally of one scope), oldest expiry
+first, locked FOR UPDATE SKIP LOCKED until the end of the caller''s transaction.';

@@ -1,0 +1,31 @@
+-- For a failure before any side effect: the key is forgotten, and the next retry runs afresh
+-- (even with a different request). After a side effect, do not release: leave the lease to
+-- expire so the next attempt resumes from the recovery point.
+CREATE FUNCTION idempotency.release(scope text, key text, lease_token bigint)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
+    PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
+    IF release.lease_token IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.release', 'lease_token', 'IK010',
+                                              'must not be NULL');
+    END IF;
+
+    DELETE FROM idempotency.keys AS k
+    WHERE k.scope = release.scope AND k.key = release.key
+      AND k.lease_token = release.lease_token AND k.state = 'in_progress';
+    IF NOT FOUND THEN
+        PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
+                                         release.lease_token);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
+'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
+Raises IK001 (lease lost), IK003 (no such key) or IK004 (already completed).';

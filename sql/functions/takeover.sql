@@ -1,0 +1,52 @@
+-- For background completers (in any language) that drive abandoned work to an end without the
+-- original request: takes over a key whose lease expired, like a retry would, but without the
+-- fingerprint check. It never inserts, so it needs no key lock and runs at any isolation level
+-- (under REPEATABLE READ a concurrent change makes it fail with 40001 rather than act twice).
+CREATE FUNCTION idempotency.takeover(
+    scope text,
+    key text,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(takeover.reference_time, clock_timestamp());
+    v_existing idempotency.keys;
+    v_result idempotency.claim_result;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.takeover', 'scope', takeover.scope);
+    PERFORM idempotency._check_name('idempotency.takeover', 'key', takeover.key);
+    PERFORM idempotency._check_lease('idempotency.takeover', 'lease', takeover.lease);
+
+    FOR attempt IN 1 .. 5 LOOP
+        SELECT k.* INTO v_existing
+        FROM idempotency.keys AS k
+        WHERE k.scope = takeover.scope AND k.key = takeover.key;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION USING
+                MESSAGE = format('idempotency.takeover: key %s in scope %s does not exist',
+                                 to_json(takeover.key), to_json(takeover.scope)),
+                ERRCODE = 'IK003',
+                DETAIL = 'It was never claimed, was released, or is past retention.',
+                HINT = 'Nothing to take over.';
+        END IF;
+        v_result := idempotency._resume_existing(v_existing, takeover.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+    END LOOP;
+    v_result.outcome := 'in_progress';
+    v_result.retry_after := takeover.lease;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.takeover(text, text, interval, timestamptz) IS
+'Take over a key whose lease expired (outcome resumed, with a new token and the recovery point);
+replay when completed, in_progress while the lease is live. Raises IK003 when the key does not
+exist.';

@@ -1,0 +1,154 @@
+"""Shared fixtures: one PostgreSQL 15 and one PostgreSQL 18 server per session.
+
+``server`` is parametrized, so every test that uses it (directly or through ``db`` /
+``template_dsn`` / ``empty_db``) runs once per server.  A test that exists for one
+server only overrides it: ``@pytest.mark.parametrize("server", ["pg15"], indirect=True)``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import psycopg
+import pytest
+from pgharness import HarnessError, PgServer, flavour_bindir
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+BUILD_EXT = ROOT / "build" / "extension"
+MIGRATIONS = ROOT / "migrations"
+FLAVOURS = ["pg15", "pg18"]
+TEMPLATE_DB = "idem_template"
+# One transaction per file, stop at the first error: psql -X -1 -v ON_ERROR_STOP=1 -f FILE.
+MIGRATION_PSQL_ARGS = ("-X", "-1", "-v", "ON_ERROR_STOP=1")
+T = TypeVar("T")
+
+
+def install_built_extension(server: PgServer) -> list[str]:
+    """Copy ``build/extension/*`` into the server's extension dir.
+
+    Older files of the same extensions are removed first: a stale
+    ``name--0.1--0.2.sql`` left by an earlier build would hide a missing upgrade script.
+    """
+    if not BUILD_EXT.is_dir():
+        return []
+    dest = server.extension_dir
+    for control in BUILD_EXT.glob("*.control"):
+        for old in [*dest.glob(f"{control.stem}.control"), *dest.glob(f"{control.stem}--*")]:
+            old.unlink()
+    copied = []
+    for src in sorted(BUILD_EXT.iterdir()):
+        if src.is_file():
+            shutil.copyfile(src, dest / src.name)
+            os.chmod(dest / src.name, 0o644)
+            copied.append(src.name)
+    return copied
+
+
+def admin_execute(server: PgServer, query: sql.Composable | str) -> None:
+    with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+        conn.execute(query)
+
+
+class ServerPool:
+    """Starts each flavour at most once, on first use; stops all at session end."""
+
+    def __init__(self) -> None:
+        self._servers: list[PgServer] = []
+        self._done: dict[tuple[str, str], tuple[bool, Any]] = {}
+        self._ids = itertools.count(1)
+
+    def get(self, flavour: str) -> PgServer:
+        return self._once(("server", flavour), lambda: self._start(flavour))
+
+    def template(self, flavour: str) -> str:
+        """DSN of ``idem_template``: pgTAP plus ``migrations/*.sql`` applied by plain psql."""
+        return self._once(("template", flavour), lambda: self._build_template(flavour))
+
+    def _once(self, key: tuple[str, str], make: Callable[[], T]) -> T:
+        """Run ``make`` once; later calls get its result, or the same failure again."""
+        if key not in self._done:
+            try:
+                self._done[key] = (True, make())
+            except Exception as exc:
+                self._done[key] = (False, exc)
+        ok, value = self._done[key]
+        if not ok:
+            raise HarnessError(f"{key[0]} {key[1]} could not be set up:\n{value}")
+        return value
+
+    def _start(self, flavour: str) -> PgServer:
+        srv = PgServer(flavour_bindir(flavour), name=flavour)
+        self._servers.append(srv)
+        srv.start()  # raises HarnessError with the server log: a loud failure
+        install_built_extension(srv)
+        return srv
+
+    def _build_template(self, flavour: str) -> str:
+        srv = self.get(flavour)
+        admin_execute(srv, sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE_DB)))
+        dsn = srv.dsn(TEMPLATE_DB)
+        srv.run_psql(dsn, "CREATE EXTENSION pgtap;")
+        for migration in sorted(MIGRATIONS.glob("*.sql")):
+            # Exactly the install command documented in each migration's header.
+            srv.run_psql(dsn, migration, args=MIGRATION_PSQL_ARGS)
+        return dsn
+
+    def new_db_name(self, prefix: str) -> str:
+        return f"{prefix}_{next(self._ids)}_{uuid.uuid4().hex[:8]}"
+
+    def stop_all(self) -> None:
+        for srv in self._servers:
+            srv.stop()
+        self._servers.clear()
+        self._done.clear()
+
+
+@pytest.fixture(scope="session")
+def server_pool() -> Iterator[ServerPool]:
+    pool = ServerPool()
+    try:
+        yield pool
+    finally:
+        pool.stop_all()
+
+
+@pytest.fixture(scope="session", params=FLAVOURS, ids=FLAVOURS)
+def server(request: pytest.FixtureRequest, server_pool: ServerPool) -> PgServer:
+    return server_pool.get(request.param)
+
+
+@pytest.fixture(scope="session")
+def template_dsn(server: PgServer, server_pool: ServerPool) -> str:
+    return server_pool.template(server.name)
+
+
+def _scratch_db(server: PgServer, name: str, template: str | None) -> Iterator[str]:
+    create = sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name))
+    if template is not None:
+        create = sql.SQL("{} TEMPLATE {}").format(create, sql.Identifier(template))
+    admin_execute(server, create)
+    try:
+        yield server.dsn(name)
+    finally:
+        admin_execute(
+            server, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )
+
+
+@pytest.fixture
+def db(server: PgServer, template_dsn: str, server_pool: ServerPool) -> Iterator[str]:
+    """DSN of a fresh clone of ``idem_template`` (pgTAP + migrations), dropped afterwards."""
+    yield from _scratch_db(server, server_pool.new_db_name("t"), TEMPLATE_DB)
+
+
+@pytest.fixture
+def empty_db(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
+    """DSN of a brand-new empty database, dropped afterwards."""
+    yield from _scratch_db(server, server_pool.new_db_name("e"), None)
