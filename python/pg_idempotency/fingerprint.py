@@ -1,0 +1,242 @@
+"""Pure-Python twins of ``idempotency.canonical_json``, ``fingerprint`` and ``derive_key``.
+
+They give byte-identical results to the SQL functions, so a client can compute a request
+fingerprint or a downstream key without a round trip (tests/vectors/fingerprint.json holds the
+shared test vectors, generated from the database by tools/make_vectors.py).
+
+Values are Python JSON values: ``dict`` (string keys), ``list``/``tuple``, ``str``, ``int``,
+:class:`decimal.Decimal`, ``float``, ``bool``, ``None`` (JSON null). To keep a number's exact
+decimal value, parse JSON text with :func:`loads` (numbers become ``Decimal``); a ``float`` is
+taken as ``Decimal(repr(f))``, which is what the database receives when the same value is sent
+through ``psycopg.types.json.Jsonb``.
+
+Bad arguments raise :class:`InvalidArgument` (a ``ValueError``) whose ``argument`` names the
+argument and whose ``sqlstate`` is the code the SQL function raises for the same input (IK01x),
+or the one PostgreSQL raises when it cannot take the value as jsonb at all.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Iterable, Mapping
+from decimal import Decimal
+from typing import Any
+
+__all__ = ["InvalidArgument", "canonical_json", "derive_key", "fingerprint", "loads"]
+
+# numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
+# the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
+# them fails with 22003 "value overflows numeric format".
+_NUMERIC_MAX_INT_DIGITS = 131072
+_NUMERIC_MAX_DSCALE = 16383
+
+# What PostgreSQL's escape_json() writes for the characters it escapes.
+_ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
+            "\t": "\\t"}
+_ESCAPES.update({chr(c): f"\\u{c:04x}" for c in range(0x20) if chr(c) not in _ESCAPES})
+_ESCAPE_TABLE = str.maketrans(_ESCAPES)
+
+
+class InvalidArgument(ValueError):
+    """An argument the SQL function would refuse, with the SQLSTATE it would raise."""
+
+    def __init__(self, function: str, argument: str, sqlstate: str, problem: str) -> None:
+        self.function = function
+        self.argument = argument
+        self.sqlstate = sqlstate
+        super().__init__(f'{function}: argument "{argument}" {problem}')
+
+
+def loads(text: str | bytes) -> Any:
+    """Parse JSON text as ``jsonb`` would: numbers as exact ``Decimal``, the last of duplicate
+    keys wins; NaN/Infinity, ``\\u0000`` and unpaired surrogates are refused (ValueError)."""
+
+    def no_constant(name: str) -> Any:
+        raise ValueError(f"invalid JSON: {name} is not a JSON value")
+
+    value = json.loads(text, parse_float=Decimal, parse_int=Decimal, parse_constant=no_constant)
+    _check_value(value, "loads", "text")
+    return value
+
+
+def canonical_json(value: Any) -> str:
+    """The canonical text of a JSON value, equal to ``idempotency.canonical_json(value)``.
+
+    Object members sorted by key in code point order; plain decimal numbers without exponent or
+    trailing fractional zeros; strings escaped only where JSON requires; no whitespace.
+    """
+    return _canonical(value, "idempotency.canonical_json", "value")
+
+
+def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
+                fields: Iterable[str] | None = None) -> bytes:
+    """sha256 (32 bytes) of the canonical request, equal to ``idempotency.fingerprint``.
+
+    ``defaults`` (an object) is merged under the request first, shallowly: a top-level field
+    the request omits takes its default. With ``fields``, only those top-level fields count.
+    ``defaults=None`` is the SQL default (``'{}'``), ``fields=None`` the SQL ``NULL``.
+    """
+    fn = "idempotency.fingerprint"
+    if fields is not None:
+        if isinstance(fields, (str, bytes)):
+            raise InvalidArgument(fn, "fields", "IK015",
+                                  "must be a list of field names, not a single string")
+        fields = list(fields)
+    if (defaults is not None and defaults != {}) or fields is not None:
+        if not isinstance(request, Mapping):
+            raise InvalidArgument(fn, "request", "IK015",
+                                  "must be a JSON object when defaults or fields are given "
+                                  f"(it is a JSON {_json_type(request)})")
+        if not isinstance(defaults, Mapping) and defaults is not None:
+            raise InvalidArgument(fn, "defaults", "IK015",
+                                  f"must be a JSON object (it is a JSON {_json_type(defaults)})")
+        if fields is not None:
+            for name in fields:
+                if name is None:
+                    raise InvalidArgument(fn, "fields", "IK010", "must not contain NULL")
+                if not isinstance(name, str):
+                    raise InvalidArgument(fn, "fields", "IK015",
+                                          f"must contain strings, found {type(name).__name__}")
+        merged = {**(defaults or {}), **request}
+        if fields is not None:
+            wanted = set(fields)
+            merged = {k: v for k, v in merged.items() if k in wanted}
+        request = merged
+    text = _canonical(request, fn, "request")
+    return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def derive_key(scope: str, key: str, step: str) -> str:
+    """``idempotency.derive_key``: hex(sha256(canonical_json([scope, key, step]))).
+
+    Each argument must be a non-empty string of at most 255 characters without control
+    characters (U+0000..U+001F, U+007F..U+009F), as for every name in the SQL API.
+    """
+    fn = "idempotency.derive_key"
+    for argument, value in (("scope", scope), ("key", key), ("step", step)):
+        _check_name(fn, argument, value)
+    text = _canonical([scope, key, step], fn, "key")
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+# -- internals ------------------------------------------------------------------------------
+
+def _check_name(fn: str, argument: str, value: Any) -> None:
+    """idempotency._check_name: same rules, same SQLSTATEs."""
+    if value is None:
+        raise InvalidArgument(fn, argument, "IK010", "must not be NULL")
+    if not isinstance(value, str):
+        raise InvalidArgument(fn, argument, "IK015",
+                              f"must be a string, not {type(value).__name__}")
+    if value == "":
+        raise InvalidArgument(fn, argument, "IK011", "must not be empty")
+    if len(value) > 255:
+        raise InvalidArgument(fn, argument, "IK012",
+                              f"must be at most 255 characters long (it is {len(value)})")
+    for pos, ch in enumerate(value, 1):
+        # PostgreSQL's regex class [[:cntrl:]] is exactly these, whatever the locale
+        # (src/backend/regex/regc_locale.c).
+        if ch <= "\x1f" or "\x7f" <= ch <= "\x9f":
+            raise InvalidArgument(fn, argument, "IK013",
+                                  f"must not contain control characters (found U+{ord(ch):04X} "
+                                  f"at character {pos})")
+    _check_string(value, fn, argument)
+
+
+def _json_type(value: Any) -> str:
+    """jsonb_typeof's name for a Python JSON value."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float, Decimal)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, Mapping):
+        return "object"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    return type(value).__name__
+
+
+def _check_string(s: str, fn: str, argument: str) -> None:
+    if "\x00" in s:
+        # PostgreSQL text cannot hold NUL; jsonb refuses \u0000 with 22P05.
+        raise InvalidArgument(fn, argument, "22P05",
+                              "contains U+0000, which PostgreSQL text cannot hold")
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgument(fn, argument, "22P02",
+                              "contains an unpaired surrogate (not valid Unicode)") from None
+
+
+def _check_value(value: Any, fn: str, argument: str) -> None:
+    """Walk a parsed value for strings jsonb would refuse (json.loads lets them through)."""
+    if isinstance(value, str):
+        _check_string(value, fn, argument)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _check_string(k, fn, argument)
+            _check_value(v, fn, argument)
+    elif isinstance(value, list):
+        for v in value:
+            _check_value(v, fn, argument)
+
+
+def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
+    """trim_scale(value::numeric)::text."""
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidArgument(fn, argument, "22P02", f"contains {value!r}, not a JSON number")
+        value = Decimal(repr(value))
+    elif isinstance(value, int):
+        value = Decimal(value)
+    if not value.is_finite():
+        raise InvalidArgument(fn, argument, "22P02", f"contains {value}, not a JSON number")
+    if value.is_zero():
+        return "0"  # numeric has no negative zero, and 0.000 trims to 0
+    exponent = value.as_tuple().exponent
+    assert isinstance(exponent, int)
+    if -exponent > _NUMERIC_MAX_DSCALE or value.adjusted() >= _NUMERIC_MAX_INT_DIGITS:
+        raise InvalidArgument(fn, argument, "22003",
+                              "contains a number outside PostgreSQL numeric's range "
+                              "(131072 digits before the point, 16383 after)")
+    text = format(value, "f")
+    if "." in text:
+        text = text.rstrip("0").rstrip(".")
+    return text
+
+
+def _string(s: str, fn: str, argument: str) -> str:
+    _check_string(s, fn, argument)
+    return '"' + s.translate(_ESCAPE_TABLE) + '"'
+
+
+def _canonical(value: Any, fn: str, argument: str) -> str:
+    if value is None:
+        return "null"
+    if value is True:
+        return "true"
+    if value is False:
+        return "false"
+    if isinstance(value, str):
+        return _string(value, fn, argument)
+    if isinstance(value, (int, float, Decimal)):
+        return _number(value, fn, argument)
+    if isinstance(value, Mapping):
+        for k in value:
+            if not isinstance(k, str):
+                raise InvalidArgument(fn, argument, "22P02",
+                                      f"has an object key {k!r} that is not a string")
+        return "{" + ",".join(
+            _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument)
+            for k in sorted(value)
+        ) + "}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(_canonical(v, fn, argument) for v in value) + "]"
+    raise InvalidArgument(fn, argument, "22P02",
+                          f"contains a {type(value).__name__}, which is not a JSON value")

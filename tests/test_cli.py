@@ -1,0 +1,153 @@
+"""The installed console script .venv/bin/pg-idempotency, run as users run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import psycopg
+import pytest
+from pgharness import PgServer
+from psycopg import sql
+
+ROOT = Path(__file__).resolve().parent.parent
+CLI = Path(sys.executable).parent / "pg-idempotency"
+MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items()
+            if k != "DATABASE_URL" and not k.startswith("PG")}
+    base["LC_ALL"] = "C"
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120,
+                          env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("pg-idempotency: ")
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+def closed_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]  # closed again when the socket is
+
+
+def test_console_script_is_installed() -> None:
+    assert CLI.exists(), f"{CLI}: run make test (or pip install .) first"
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        ((), ["migrate", "sql", "--version"]),
+        (("migrate",), ["--dsn", "DATABASE_URL", "up to date"]),
+        (("sql",), ["psql", "idempotency.migrations"]),
+    ],
+    ids=["main", "migrate", "sql"],
+)
+def test_help(args: tuple[str, ...], needles: list[str]) -> None:
+    proc = run(*args, "--help")
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert text.startswith("usage: pg-idempotency")
+    for needle in needles:
+        assert needle in text
+
+
+def test_version() -> None:
+    from pg_idempotency import __version__
+
+    proc = run("--version")
+    assert proc.returncode == 0
+    assert proc.stdout.strip() == f"pg-idempotency {__version__}"
+
+
+def test_no_command_is_a_usage_error() -> None:
+    proc = run()
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+
+
+def test_sql_prints_the_migrations() -> None:
+    proc = run("sql")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "".join(p.read_text(encoding="utf-8") for p in MIGRATIONS)
+
+
+def test_migrate_then_up_to_date(empty_db: str) -> None:
+    first = run("migrate", "--dsn", empty_db)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.splitlines() == [f"applied {p.stem}" for p in MIGRATIONS]
+    second = run("migrate", env={"DATABASE_URL": empty_db})
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith("up to date")
+    with psycopg.connect(empty_db) as conn:
+        (count,) = conn.execute("SELECT count(*) FROM idempotency.migrations").fetchone()
+    assert count == len(MIGRATIONS)
+
+
+def test_sql_output_installs_with_psql(server: PgServer, empty_db: str) -> None:
+    script = run("sql").stdout
+    server.run_psql(empty_db, script, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+    proc = run("migrate", "--dsn", empty_db)
+    assert proc.returncode == 0 and proc.stdout.startswith("up to date"), proc
+
+
+def test_no_dsn() -> None:
+    assert_one_line_error(run("migrate"), "--dsn", "DATABASE_URL")
+
+
+def test_unreachable_server() -> None:
+    dsn = f"postgresql://postgres@127.0.0.1:{closed_port()}/postgres"
+    assert_one_line_error(run("migrate", "--dsn", dsn), "cannot connect", "Connection refused")
+
+
+def test_auth_failure(server: PgServer) -> None:
+    """The test servers use trust authentication, so a wrong password is never checked. A role
+    that does not exist is refused during authentication all the same (server-side FATAL,
+    SQLSTATE 28000 invalid_authorization_specification), which is the path tested here."""
+    dsn = server.dsn("postgres", user=f"no_such_role_{uuid.uuid4().hex[:8]}")
+    proc = run("migrate", "--dsn", dsn)
+    assert_one_line_error(proc, "cannot connect", "role", "does not exist")
+    # the password is never echoed
+    proc = run("migrate", "--dsn", dsn.replace("@", ":s3cret-pw@"))
+    assert_one_line_error(proc, "cannot connect")
+    assert "s3cret-pw" not in proc.stderr
+
+
+def test_database_does_not_exist(server: PgServer) -> None:
+    dsn = server.dsn(f"no_such_db_{uuid.uuid4().hex[:8]}")
+    assert_one_line_error(run("migrate", "--dsn", dsn), "cannot connect", "does not exist")
+
+
+def test_invalid_dsn() -> None:
+    assert_one_line_error(run("migrate", "--dsn", "nonsense_option=1"), "invalid DSN")
+
+
+def test_sql_error_during_migrate(server: PgServer, empty_db: str) -> None:
+    """A role without CREATE on the database: the migration fails with 42501, rolled back."""
+    role = f"idem_weak_{uuid.uuid4().hex[:8]}"
+    admin = server.dsn("postgres")
+    with psycopg.connect(admin, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+    try:
+        proc = run("migrate", "--dsn", server.dsn(empty_db.rsplit("/", 1)[1], user=role))
+        assert_one_line_error(proc, "migrate failed", "SQLSTATE 42501", "permission denied")
+        with psycopg.connect(empty_db) as conn:
+            (schema,) = conn.execute("SELECT to_regnamespace('idempotency')").fetchone()
+        assert schema is None
+    finally:
+        with psycopg.connect(admin, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))

@@ -1,0 +1,158 @@
+"""tests/vectors/fingerprint.json: the SQL functions and the Python twins give every vector.
+
+The vectors were generated from the database by tools/make_vectors.py; here both servers must
+still give them, and pg_idempotency.fingerprint must give them byte for byte.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from decimal import Decimal
+from pathlib import Path
+
+import psycopg
+import pytest
+from pg_idempotency.fingerprint import (
+    InvalidArgument,
+    canonical_json,
+    derive_key,
+    fingerprint,
+    loads,
+)
+
+VECTORS = json.loads(
+    (Path(__file__).resolve().parent / "vectors" / "fingerprint.json").read_text(encoding="utf-8")
+)
+FP = VECTORS["fingerprint"]
+DK = VECTORS["derive_key"]
+INVALID = VECTORS["invalid"]
+
+
+def _ids(vectors: list[dict]) -> list[str]:
+    return [v["name"] for v in vectors]
+
+
+def _effective_request(v: dict) -> tuple[object, dict | None]:
+    return loads(v["request"]), (loads(v["defaults"]) if "defaults" in v else None)
+
+
+# -- the database ---------------------------------------------------------------------------
+
+def test_sql_matches_vectors(db: str) -> None:
+    with psycopg.connect(db, autocommit=True) as conn:
+        for v in FP:
+            plain = "defaults" not in v and "fields" not in v
+            if plain:
+                canonical, digest = conn.execute(
+                    "SELECT idempotency.canonical_json(%(r)s::jsonb),"
+                    " encode(idempotency.fingerprint(%(r)s::jsonb), 'hex')",
+                    {"r": v["request"]},
+                ).fetchone()
+                assert canonical == v["canonical"], v["name"]
+            else:
+                (digest,) = conn.execute(
+                    "SELECT encode(idempotency.fingerprint(request => %(r)s::jsonb,"
+                    " defaults => coalesce(%(d)s::jsonb, '{}'), fields => %(f)s::text[]), 'hex')",
+                    {"r": v["request"], "d": v.get("defaults"), "f": v.get("fields")},
+                ).fetchone()
+            assert digest == v["sha256_hex"], v["name"]
+            # canonical_json is a fixed point: the canonical text canonicalizes to itself.
+            (again,) = conn.execute(
+                "SELECT idempotency.canonical_json(%s::jsonb)", (v["canonical"],)
+            ).fetchone()
+            assert again == v["canonical"], v["name"]
+        for v in DK:
+            (derived,) = conn.execute(
+                "SELECT idempotency.derive_key(scope => %s::text, key => %s::text,"
+                " step => %s::text)",
+                (v["scope"], v["key"], v["step"]),
+            ).fetchone()
+            assert derived == v["derived"], v["name"]
+
+
+def test_sql_refuses_invalid_vectors(db: str) -> None:
+    with psycopg.connect(db, autocommit=True) as conn:
+        for v in INVALID:
+            a = v["args"]
+            with pytest.raises(psycopg.Error) as info:
+                if v["function"] == "derive_key":
+                    conn.execute("SELECT idempotency.derive_key(%(scope)s::text, %(key)s::text,"
+                                 " %(step)s::text)", a)
+                else:
+                    conn.execute("SELECT idempotency.fingerprint(%(request)s::jsonb,"
+                                 " coalesce(%(defaults)s::jsonb, '{}'), %(fields)s::text[])", a)
+            assert info.value.sqlstate == v["sqlstate"], v["name"]
+            if v["argument"] is not None:
+                assert info.value.diag.column_name == v["argument"], v["name"]
+
+
+# -- the Python twins -----------------------------------------------------------------------
+
+def test_vectors_cover_the_brief() -> None:
+    requests = {v["request"] for v in FP}
+    for spelling in ["10", "10.0", "1e1", "-0", "0.000", "1.50", "1e-7",
+                     "123456789012345678901234567890", "-1.5E+3", "{}", "[]"]:
+        assert spelling in requests
+    assert any("defaults" in v for v in FP) and any("fields" in v for v in FP)
+    assert len(DK) >= 5 and len(INVALID) >= 5
+
+
+@pytest.mark.parametrize("v", FP, ids=_ids(FP))
+def test_python_fingerprint(v: dict) -> None:
+    request, defaults = _effective_request(v)
+    digest = fingerprint(request, defaults=defaults, fields=v.get("fields"))
+    assert digest.hex() == v["sha256_hex"]
+    assert hashlib.sha256(v["canonical"].encode("utf-8")).hexdigest() == v["sha256_hex"]
+    if "defaults" not in v and "fields" not in v:
+        assert canonical_json(request) == v["canonical"]
+    assert canonical_json(loads(v["canonical"])) == v["canonical"]
+
+
+@pytest.mark.parametrize("v", DK, ids=_ids(DK))
+def test_python_derive_key(v: dict) -> None:
+    assert derive_key(v["scope"], v["key"], v["step"]) == v["derived"]
+
+
+@pytest.mark.parametrize("v", INVALID, ids=_ids(INVALID))
+def test_python_refuses_invalid_vectors(v: dict) -> None:
+    a = v["args"]
+    with pytest.raises(ValueError) as info:
+        if v["function"] == "derive_key":
+            derive_key(a["scope"], a["key"], a["step"])
+        else:
+            request = loads(a["request"])
+            defaults = loads(a["defaults"]) if a["defaults"] is not None else None
+            fingerprint(request, defaults=defaults, fields=a["fields"])
+    if v["argument"] is not None:
+        assert isinstance(info.value, InvalidArgument)
+        assert info.value.argument == v["argument"]
+        assert info.value.sqlstate == v["sqlstate"]
+        assert f'argument "{v["argument"]}"' in str(info.value)
+
+
+def test_python_values_not_from_text() -> None:
+    """Floats, ints, tuples and bools as psycopg's Jsonb would send them."""
+    assert canonical_json({"b": 1.5, "a": (1, 2.0, True, None), "c": 10**30}) == (
+        '{"a":[1,2,true,null],"b":1.5,"c":1000000000000000000000000000000}'
+    )
+    assert canonical_json(1e-7) == "0.0000001"
+    assert canonical_json(-0.0) == "0"
+    assert canonical_json(Decimal("-1.5E+3")) == "-1500"
+    for bad in [float("nan"), float("inf"), Decimal("NaN"), {1: "x"}, object(), "a\x00b"]:
+        with pytest.raises(ValueError):
+            canonical_json(bad)
+    with pytest.raises(InvalidArgument, match='"fields"'):
+        fingerprint({"a": 1}, fields="a")
+
+
+def test_python_matches_sql_for_values_sent_as_jsonb(db: str) -> None:
+    from psycopg.types.json import Jsonb
+
+    values = [{"b": 1.5, "a": [0.1, 1e-7, 1e22, -0.0, 2**70]}, "é\x1f\x7f", [True, None]]
+    with psycopg.connect(db, autocommit=True) as conn:
+        for value in values:
+            (canonical,) = conn.execute(
+                "SELECT idempotency.canonical_json(%s)", (Jsonb(value),)
+            ).fetchone()
+            assert canonical_json(value) == canonical
