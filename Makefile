@@ -2,6 +2,7 @@
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build), then lint, then pytest on PostgreSQL 15 and 18
+#   make run     the lifecycle on an embedded PostgreSQL 18 (tools/walkthrough.py)
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py)
 #   make clean   remove .venv, build/ and caches
@@ -31,7 +32,7 @@ PYTEST_ARGS    ?=
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test setup deb-deps pgtap-pg18 build-ext lint bench clean
+.PHONY: test run setup deb-deps pgtap-pg18 build-ext lint bench clean
 
 test: setup
 	@$(MAKE) --no-print-directory lint
@@ -73,6 +74,9 @@ build-ext: $(STAMP)
 lint: $(STAMP)
 	$(VENV)/bin/ruff check -q $(RUFF_PATHS)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
+
+run: $(STAMP)
+	$(PY) tools/walkthrough.py $(RUN_ARGS)
 
 bench: setup
 	$(PY) bench/run.py
