@@ -74,8 +74,9 @@ REVOKE ALL ON SEQUENCE idempotency.lease_token_seq FROM public;
 -- because a unique index on a partitioned table must contain the partition column. The primary
 -- key below is unique per (scope, key, created_at) only; cross-partition uniqueness is enforced
 -- by the only code path that inserts, idempotency.claim(): it takes a transaction-scoped
--- advisory lock on (scope, key), then looks the key up in every partition with a fresh
--- READ COMMITTED snapshot, and inserts only when nothing is found. See docs/design.md.
+-- advisory lock on (scope, key), then looks the key up in every partition (but those starting
+-- more than an hour after its clock: see claim) with a fresh READ COMMITTED snapshot, and
+-- inserts only when nothing is found. See docs/design.md.
 CREATE TABLE idempotency.keys (
     scope text NOT NULL,
     key text NOT NULL,
@@ -322,8 +323,8 @@ COMMENT ON FUNCTION idempotency._lease_ok(interval) IS
 'Internal: true when value passes idempotency._check_lease (inlined into callers).';
 
 -- sql/functions/_check_headers.sql
--- Response headers are a JSON object of header name to string value, so every client can replay
--- them without guessing how a number or a list should be written on the wire.
+-- Response headers are a JSON object of header name to string value (no control characters),
+-- so every client can replay them without guessing how a number or a list is written.
 CREATE FUNCTION idempotency._check_headers(fn text, argument text, value jsonb)
 RETURNS void
 LANGUAGE plpgsql
@@ -343,12 +344,15 @@ BEGIN
     SELECT h.key INTO v_bad
     FROM jsonb_each(_check_headers.value) AS h
     WHERE jsonb_typeof(h.value) <> 'string' OR h.key = '' OR h.key ~ '[[:cntrl:][:space:]:]'
+       -- A CR or LF in a value would let a replayed header inject header lines.
+       OR h.value #>> '{}' ~ '[[:cntrl:]]'
     LIMIT 1;
     IF FOUND THEN
         PERFORM idempotency._invalid_argument(
             _check_headers.fn, _check_headers.argument, 'IK015',
             'must be a JSON object of header names to string values',
-            format('Header %s has an invalid name or a value that is not a string.',
+            format('Header %s has an invalid name, or a value that is not a string or holds '
+                   'control characters.',
                    to_json(v_bad)));
     END IF;
 END;
@@ -370,7 +374,8 @@ RETURN (
     AND pg_catalog.jsonb_typeof(value) OPERATOR(pg_catalog.=) 'object'
     AND NOT pg_catalog.jsonb_path_exists(
         value,
-        '$.keyvalue() ? (@.value.type() != "string" || @.key like_regex "^$|[[:cntrl:][:space:]:]")'
+        '$.keyvalue() ? (@.value.type() != "string" || @.key like_regex "^$|[[:cntrl:][:space:]:]"'
+        ' || @.value like_regex "[[:cntrl:]]")'
     )
 );
 
@@ -840,8 +845,9 @@ DECLARE
     v_result idempotency.claim_result;
 BEGIN
     -- One inlined test for the common case; the _check_* calls say what is wrong.
-    IF NOT (idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
-            AND idempotency._lease_ok(claim.lease)) THEN
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease), false) THEN
         PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
         PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
         PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
@@ -1064,9 +1070,10 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
-    IF NOT (idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
-            AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
-            AND idempotency._headers_ok(_finish.headers)) THEN
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
+                    AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
+                    AND idempotency._headers_ok(_finish.headers), false) THEN
         PERFORM idempotency._check_name(_finish.fn, 'scope', _finish.scope);
         PERFORM idempotency._check_name(_finish.fn, 'key', _finish.key);
         IF _finish.lease_token IS NULL THEN
@@ -1163,7 +1170,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF complete_bytes.body IS NOT NULL THEN
+    -- A body needs its content type; a content type is checked even without a body, since it
+    -- is replayed as a header either way.
+    IF complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL THEN
         PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                         complete_bytes.content_type);
     END IF;
@@ -1400,8 +1409,12 @@ derive_key) without any privilege on the tables.';
 
 -- sql/bootstrap.sql
 -- Partitions for now and the next settings.premake intervals, so the first claims land in real
--- partitions rather than in the default one.
-SELECT idempotency._premake(now());
+-- partitions rather than in the default one. Not inside CREATE EXTENSION (tools/build.py sets
+-- idempotency.creating_extension there): restoring a dump runs the extension script again and
+-- then re-creates the dumped partitions, which would clash with partitions made here. After
+-- CREATE EXTENSION, claims land in the default partition until _premake() runs.
+SELECT idempotency._premake(now()) AS partitions_created
+WHERE current_setting('idempotency.creating_extension', true) IS DISTINCT FROM 'on';
 
 -- Functions are executable by PUBLIC unless revoked; here nothing is, until grant_usage().
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

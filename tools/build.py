@@ -27,6 +27,17 @@ MIGRATIONS = ROOT / "migrations"
 BUILD = ROOT / "build"
 EXTENSION = "pg_idempotency"
 VERSION = "0.1.0"
+# Members of an extension are left out of pg_dump unless marked: the default partitions hold
+# keys (until maintenance moves them out) and the sequence's position is what keeps fencing
+# tokens increasing after a restore. Ranged partitions are not members at all (see
+# sql/functions/_create_partition.sql), so they are dumped like any table.
+EXTENSION_EPILOGUE = """
+-- Dumped with the data, not re-created empty, by pg_dump and pg_restore.
+SELECT pg_catalog.pg_extension_config_dump('idempotency.keys_default', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.inbox_default', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.lease_token_seq', '');
+SELECT pg_catalog.set_config('idempotency.creating_extension', 'off', true);
+"""
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -79,9 +90,12 @@ def build() -> None:
     (BUILD / "sources.sql").write_text(sources_sql())
     script = [
         f'\\echo Use "CREATE EXTENSION {EXTENSION}" to load this file. \\quit\n',
+        "-- Tells sql/bootstrap.sql that it runs inside CREATE EXTENSION (see there).\n"
+        "SELECT pg_catalog.set_config('idempotency.creating_extension', 'on', true);\n",
     ]
     for path in migrations():
         script.append(f"-- {path.relative_to(ROOT)}\n{path.read_text()}")
+    script.append(EXTENSION_EPILOGUE)
     (BUILD / "extension" / f"{EXTENSION}--{VERSION}.sql").write_text("\n".join(script))
     (BUILD / "extension" / f"{EXTENSION}.control").write_text(
         "# pg_idempotency: idempotency keys inside PostgreSQL (made by tools/build.py)\n"

@@ -24,9 +24,10 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
-    IF NOT (idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
-            AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
-            AND idempotency._headers_ok(_finish.headers)) THEN
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
+                    AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
+                    AND idempotency._headers_ok(_finish.headers), false) THEN
         PERFORM idempotency._check_name(_finish.fn, 'scope', _finish.scope);
         PERFORM idempotency._check_name(_finish.fn, 'key', _finish.key);
         IF _finish.lease_token IS NULL THEN

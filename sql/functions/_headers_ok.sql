@@ -10,7 +10,8 @@ RETURN (
     AND pg_catalog.jsonb_typeof(value) OPERATOR(pg_catalog.=) 'object'
     AND NOT pg_catalog.jsonb_path_exists(
         value,
-        '$.keyvalue() ? (@.value.type() != "string" || @.key like_regex "^$|[[:cntrl:][:space:]:]")'
+        '$.keyvalue() ? (@.value.type() != "string" || @.key like_regex "^$|[[:cntrl:][:space:]:]"'
+        ' || @.value like_regex "[[:cntrl:]]")'
     )
 );
 

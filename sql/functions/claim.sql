@@ -30,8 +30,9 @@ DECLARE
     v_result idempotency.claim_result;
 BEGIN
     -- One inlined test for the common case; the _check_* calls say what is wrong.
-    IF NOT (idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
-            AND idempotency._lease_ok(claim.lease)) THEN
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease), false) THEN
         PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
         PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
         PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);

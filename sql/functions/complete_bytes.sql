@@ -17,7 +17,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF complete_bytes.body IS NOT NULL THEN
+    -- A body needs its content type; a content type is checked even without a body, since it
+    -- is replayed as a header either way.
+    IF complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL THEN
         PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                         complete_bytes.content_type);
     END IF;

@@ -5,8 +5,9 @@
 -- because a unique index on a partitioned table must contain the partition column. The primary
 -- key below is unique per (scope, key, created_at) only; cross-partition uniqueness is enforced
 -- by the only code path that inserts, idempotency.claim(): it takes a transaction-scoped
--- advisory lock on (scope, key), then looks the key up in every partition with a fresh
--- READ COMMITTED snapshot, and inserts only when nothing is found. See docs/design.md.
+-- advisory lock on (scope, key), then looks the key up in every partition (but those starting
+-- more than an hour after its clock: see claim) with a fresh READ COMMITTED snapshot, and
+-- inserts only when nothing is found. See docs/design.md.
 CREATE TABLE idempotency.keys (
     scope text NOT NULL,
     key text NOT NULL,

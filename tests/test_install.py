@@ -1,0 +1,520 @@
+"""The ways to install, and the environments the engine must survive.
+
+* schema drift: build/sources.sql (the sql/ sources) and migrations/*.sql give the same schema;
+* a migration applied twice;
+* CREATE EXTENSION: lifecycle, membership of the partitions, pg_dump / restore, DROP EXTENSION;
+* least privilege through a real login role granted with idempotency.grant_usage();
+* an empty search_path, and a hostile one that shadows functions and operators the engine uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import hashlib
+import os
+import re
+import subprocess
+import sys
+import threading
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import psycopg
+import pytest
+from pgharness import PgServer
+from psycopg import sql
+from psycopg.types.json import Jsonb
+
+ROOT = Path(__file__).resolve().parent.parent
+MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
+SOURCES_SQL = ROOT / "build" / "sources.sql"
+INSTALL_ARGS = ("-X", "-v", "ON_ERROR_STOP=1", "-1")
+
+LIFECYCLE_CLAIM = """
+SELECT outcome, lease_token, response_status, response_headers, response_body
+FROM idempotency.claim(scope => %s, key => %s, request => %s::jsonb)
+"""
+
+
+# -- helpers ------------------------------------------------------------------------------------
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env["LC_MESSAGES"] = "C"
+    return env
+
+
+def pg_dump(server: PgServer, dsn: str, *args: str) -> str:
+    """Run the server's own pg_dump (same major version as the server)."""
+    proc = subprocess.run([str(server.bindir / "pg_dump"), *args, "-d", dsn],
+                          capture_output=True, text=True, env=_env(), timeout=120)
+    assert proc.returncode == 0, f"pg_dump failed:\n{proc.stderr}"
+    return proc.stdout
+
+
+def normalize_dump(text: str) -> str:
+    """Drop what differs between two dumps of the same schema: the per-dump random key of
+    \\restrict / \\unrestrict (pg_dump 18, 17.6, 16.10, 15.14 and later)."""
+    return "\n".join(line for line in text.splitlines()
+                     if not re.match(r"^\\(un)?restrict ", line))
+
+
+@contextlib.contextmanager
+def scratch_db(server: PgServer, prefix: str) -> Iterator[str]:
+    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
+    with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
+    try:
+        yield server.dsn(name)
+    finally:
+        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
+                         .format(sql.Identifier(name)))
+
+
+def apply_migrations(server: PgServer, dsn: str) -> None:
+    assert MIGRATIONS, "no migrations/*.sql"
+    for migration in MIGRATIONS:
+        server.run_psql(dsn, migration, args=INSTALL_ARGS)
+
+
+def sources_sql() -> Path:
+    if not SOURCES_SQL.exists():
+        subprocess.run([sys.executable, str(ROOT / "tools" / "build.py")], check=True)
+    return SOURCES_SQL
+
+
+def run_lifecycle(conn: psycopg.Connection[Any], scope: str) -> None:
+    """claim -> in_progress -> complete -> replay, mismatch, and the side functions."""
+    request = {"amount": 50, "currency": "EUR"}
+    outcome, token, *_ = conn.execute(LIFECYCLE_CLAIM, (scope, "k1", Jsonb(request))).fetchone()
+    assert outcome == "claimed" and token is not None
+    assert conn.execute(LIFECYCLE_CLAIM, (scope, "k1", Jsonb(request))).fetchone()[:2] == (
+        "in_progress", None)
+    conn.execute("SELECT idempotency.checkpoint(%s, 'k1', %s, 'charged')", (scope, token))
+    conn.execute("SELECT idempotency.heartbeat(%s, 'k1', %s)", (scope, token))
+    conn.execute("SELECT idempotency.complete(%s, 'k1', %s, 201, %s, %s)",
+                 (scope, token, Jsonb({"id": 1}), Jsonb({"Location": "/p/1"})))
+    assert conn.execute(LIFECYCLE_CLAIM, (scope, "k1", Jsonb({"currency": "EUR", "amount": 50.0}))
+                        ).fetchone() == ("replay", None, 201, {"Location": "/p/1"}, {"id": 1})
+    assert conn.execute(LIFECYCLE_CLAIM, (scope, "k1", Jsonb({"amount": 51}))
+                        ).fetchone()[0] == "mismatch"
+    # release and complete_bytes
+    token = conn.execute(LIFECYCLE_CLAIM, (scope, "k2", Jsonb({}))).fetchone()[1]
+    conn.execute("SELECT idempotency.release(%s, 'k2', %s)", (scope, token))
+    token = conn.execute(LIFECYCLE_CLAIM, (scope, "k2", Jsonb({}))).fetchone()[1]
+    assert token is not None
+    conn.execute("SELECT idempotency.complete_bytes(%s, 'k2', %s, 200, '\\x2525'::bytea, "
+                 "'application/pdf')", (scope, token))
+    assert conn.execute(
+        "SELECT outcome, response_body_bytes, response_content_type "
+        "FROM idempotency.claim(%s, 'k2', '{}'::jsonb)", (scope,)
+    ).fetchone() == ("replay", b"%%", "application/pdf")
+    assert conn.execute("SELECT idempotency.inbox_accept(%s, 'm1')", (scope,)).fetchone()[0]
+    assert not conn.execute("SELECT idempotency.inbox_accept(%s, 'm1')", (scope,)).fetchone()[0]
+    assert len(conn.execute("SELECT idempotency.derive_key(%s, 'k1', 'charge')", (scope,)
+                            ).fetchone()[0]) == 64
+    assert conn.execute("SELECT count(*) FROM idempotency.list_abandoned()").fetchone()[0] == 0
+
+
+def expect_sqlstate(conn: psycopg.Connection[Any], query: str, sqlstate: str,
+                    params: Any = None) -> None:
+    with pytest.raises(psycopg.Error) as info:
+        conn.execute(query, params)
+    assert info.value.sqlstate == sqlstate, (query, info.value.sqlstate, str(info.value))
+
+
+# -- schema drift and re-application ------------------------------------------------------------
+
+
+def test_sources_and_migrations_give_the_same_schema(server: PgServer, empty_db: str) -> None:
+    with scratch_db(server, "drift") as migrated:
+        server.run_psql(empty_db, sources_sql(), args=INSTALL_ARGS)
+        apply_migrations(server, migrated)
+        dumps = {}
+        for label, dsn in (("sources", empty_db), ("migrations", migrated)):
+            # Schema and data, except the migrations table's rows (only migrations insert them).
+            dumps[label] = normalize_dump(pg_dump(
+                server, dsn, "--schema=idempotency",
+                "--exclude-table-data=idempotency.migrations"))
+        with psycopg.connect(migrated) as conn:
+            assert conn.execute("SELECT version, name FROM idempotency.migrations").fetchall() == [
+                (1, "0001_core")]
+    assert "CREATE FUNCTION idempotency.claim(" in dumps["sources"]
+    assert re.search(r"CREATE TABLE idempotency\.keys_p\d{8} ", dumps["sources"])
+    diff = "\n".join(difflib.unified_diff(
+        dumps["sources"].splitlines(), dumps["migrations"].splitlines(),
+        "sources.sql", "migrations", lineterm="", n=2))
+    assert not diff, f"schema drift between sql/ and migrations/:\n{diff[:6000]}"
+
+
+def test_applying_the_migrations_twice_fails_loudly_and_changes_nothing(
+    server: PgServer, db: str
+) -> None:
+    # Decided by reading 0001_core.sql: it starts with CREATE ... IF NOT EXISTS for the schema
+    # and the migrations table, but every other object is a plain CREATE, so a second run must
+    # stop at the first of them and roll the whole file back (-1).
+    before = normalize_dump(pg_dump(server, db, "--schema=idempotency"))
+    for migration in MIGRATIONS:
+        proc = server.run_psql(db, migration, args=INSTALL_ARGS, check=False)
+        assert proc.returncode == 3, (proc.returncode, proc.stdout, proc.stderr)
+        assert "already exists" in proc.stderr, proc.stderr
+    after = normalize_dump(pg_dump(server, db, "--schema=idempotency"))
+    assert after == before, "a failed re-application must leave no trace"
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT version, name FROM idempotency.migrations").fetchall() == [
+            (1, "0001_core")]
+        assert conn.execute("SELECT count(*) FROM idempotency.settings").fetchone()[0] == 1
+
+
+# -- CREATE EXTENSION ---------------------------------------------------------------------------
+
+
+MEMBERSHIP_SQL = """
+SELECT c.relname,
+       EXISTS (SELECT FROM pg_depend AS d
+               JOIN pg_extension AS e ON e.oid = d.refobjid
+               WHERE d.classid = 'pg_class'::regclass AND d.objid = c.oid
+                 AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
+                 AND e.extname = 'pg_idempotency') AS member
+FROM pg_class AS c
+WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind IN ('r', 'p', 'S')
+ORDER BY 1
+"""
+
+
+def test_extension_lifecycle_and_partition_membership(server: PgServer, empty_db: str) -> None:
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_idempotency")
+        # CREATE EXTENSION makes no ranged partitions (a restore would clash with the dumped
+        # ones); docs/install.md has the operator run _premake() next.
+        members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
+        assert not [n for n in members if re.fullmatch(r"(keys|inbox)_p\d{8}", n)], members
+        assert conn.execute("SELECT idempotency._premake()").fetchone()[0] == 8
+        run_lifecycle(conn, "ext")
+        members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
+        partitions = {n for n in members if re.fullmatch(r"(keys|inbox)_p\d{8}", n)}
+        assert len(partitions) == 8, members  # today and 3 ahead, for keys and inbox
+        assert not any(members[p] for p in partitions), (
+            f"partitions must not be extension members (pg_dump would skip their rows): "
+            f"{members}")
+        for code in ("keys", "inbox", "settings", "migrations", "lease_token_seq"):
+            assert members[code], f"{code} should belong to the extension: {members}"
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE tableoid::regclass::text "
+                            "~ '^idempotency.keys_p'").fetchone()[0] == 2
+
+
+def test_drop_extension_removes_everything(server: PgServer, empty_db: str) -> None:
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_idempotency")
+        run_lifecycle(conn, "drop")
+        conn.execute("DROP EXTENSION pg_idempotency")
+        left = conn.execute("""
+            SELECT 'schema ' || nspname FROM pg_namespace WHERE nspname = 'idempotency'
+            UNION ALL
+            SELECT 'relation ' || c.oid::regclass::text FROM pg_class AS c
+            WHERE c.relname ~ '^(keys|inbox|settings|migrations|lease_token_seq)'
+            UNION ALL
+            SELECT 'type ' || typname FROM pg_type
+            WHERE typname IN ('claim_result', 'abandoned_key')
+            UNION ALL
+            SELECT 'function ' || p.oid::regprocedure::text FROM pg_proc AS p
+            WHERE p.proname IN ('claim', 'complete', '_premake', 'inbox_accept')
+        """).fetchall()
+        assert left == [], f"left behind by DROP EXTENSION: {left}"
+        # And it installs again from scratch.
+        conn.execute("CREATE EXTENSION pg_idempotency")
+        assert conn.execute(LIFECYCLE_CLAIM, ("again", "k", Jsonb({}))).fetchone()[0] == "claimed"
+
+
+class Dumped:
+    """A database with the extension and some state, its pg_dump, and two restores of it."""
+
+    def __init__(self) -> None:
+        self.source = self.strict = self.lenient = ""
+        self.strict_proc: subprocess.CompletedProcess[str] | None = None
+        self.lenient_proc: subprocess.CompletedProcess[str] | None = None
+        self.tokens: dict[str, int] = {}
+
+
+@pytest.fixture(scope="module")
+def dumped(server: PgServer) -> Iterator[Dumped]:
+    """Source state: k-day completed (in a daily partition), k-default completed (in the default
+    partition: created_at beyond the premade partitions, as after a few days without
+    maintenance), k-stale in progress with an expired lease, an inbox message, and a changed
+    setting. Restored with psql twice: strictly (-1, ON_ERROR_STOP) and leniently (the plain
+    `psql -f dump.sql` of the pg_dump documentation)."""
+    d = Dumped()
+    with contextlib.ExitStack() as stack:
+        d.source = stack.enter_context(scratch_db(server, "dump_src"))
+        d.strict = stack.enter_context(scratch_db(server, "dump_strict"))
+        d.lenient = stack.enter_context(scratch_db(server, "dump_lenient"))
+        with psycopg.connect(d.source, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_idempotency")
+            conn.execute("SELECT idempotency._premake()")
+            t = conn.execute(LIFECYCLE_CLAIM, ("dump", "k-day", Jsonb({"a": 1}))).fetchone()[1]
+            conn.execute("SELECT idempotency.complete('dump', 'k-day', %s, 200, '{\"day\": 1}')",
+                         (t,))
+            later = conn.execute("SELECT now() + interval '30 days'").fetchone()[0]
+            t = conn.execute("SELECT lease_token FROM idempotency.claim('dump', 'k-default', "
+                             "'{\"a\": 2}', reference_time => %s)", (later,)).fetchone()[0]
+            conn.execute("SELECT idempotency.complete('dump', 'k-default', %s, 200, "
+                         "'{\"default\": 1}', reference_time => %s)", (t, later))
+            past = conn.execute("SELECT now() - interval '1 minute'").fetchone()[0]
+            d.tokens["k-stale"] = conn.execute(
+                "SELECT lease_token FROM idempotency.claim('dump', 'k-stale', '{\"a\": 3}', "
+                "lease => '1 second', reference_time => %s)", (past,)).fetchone()[0]
+            d.tokens["max"] = conn.execute("SELECT max(lease_token) FROM idempotency.keys"
+                                           ).fetchone()[0]
+            assert conn.execute("SELECT idempotency.inbox_accept('dump', 'm1')").fetchone()[0]
+            conn.execute("UPDATE idempotency.settings SET premake = 5, retention = '7 days'")
+            where = dict(conn.execute("SELECT key, tableoid::regclass::text FROM idempotency.keys"
+                                      ).fetchall())
+            assert where["k-default"] == "idempotency.keys_default", where
+            assert where["k-day"].startswith("idempotency.keys_p"), where
+        dump = pg_dump(server, d.source)
+        d.strict_proc = server.run_psql(d.strict, dump, args=INSTALL_ARGS, check=False)
+        d.lenient_proc = server.run_psql(d.lenient, dump, args=("-X", "-q"), check=False)
+        yield d
+
+
+def _claim_in(dsn: str, key: str, request: dict[str, Any]) -> tuple[Any, ...]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(LIFECYCLE_CLAIM, ("dump", key, Jsonb(request))).fetchone()
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known limitation: pg_dump emits ADD CONSTRAINT ... PRIMARY KEY for each partition of the "
+    "extension-owned parent, but ATTACH PARTITION already made it ('multiple primary keys'); "
+    "the restore loads every row when errors are not fatal (docs/install.md)"))
+def test_extension_dump_restores_without_errors(dumped: Dumped) -> None:
+    proc = dumped.strict_proc
+    assert proc is not None
+    assert proc.returncode == 0, (
+        "restoring a pg_dump of a database with pg_idempotency in one transaction with "
+        f"ON_ERROR_STOP failed:\n{proc.stderr[:3000]}")
+
+
+def test_extension_dump_keeps_keys_of_daily_partitions(dumped: Dumped) -> None:
+    assert _claim_in(dumped.lenient, "k-day", {"a": 1}) == ("replay", None, 200, {}, {"day": 1})
+
+
+def test_extension_dump_keeps_keys_of_the_default_partition(dumped: Dumped) -> None:
+    with psycopg.connect(dumped.lenient) as conn:
+        row = conn.execute("SELECT key, state FROM idempotency.keys WHERE key = 'k-default'"
+                           ).fetchall()
+    assert row == [("k-default", "completed")], (
+        "a key stored in idempotency.keys_default was lost by pg_dump / restore")
+
+
+def test_extension_dump_keeps_fencing_tokens_increasing(dumped: Dumped) -> None:
+    with psycopg.connect(dumped.lenient, autocommit=True) as conn:
+        assert conn.execute("SELECT lease_token FROM idempotency.keys WHERE key = 'k-stale'"
+                            ).fetchone()[0] == dumped.tokens["k-stale"]
+        outcome, token, *_ = conn.execute(LIFECYCLE_CLAIM, ("dump", "k-stale", Jsonb({"a": 3}))
+                                          ).fetchone()
+        fresh = conn.execute(LIFECYCLE_CLAIM, ("dump", "k-new", Jsonb({}))).fetchone()[1]
+    assert outcome == "resumed"
+    assert token > dumped.tokens["k-stale"] and fresh > dumped.tokens["max"], (
+        f"after restore, lease_token_seq restarted: takeover of k-stale got token {token} "
+        f"(stale owner holds {dumped.tokens['k-stale']}), a new claim got {fresh} "
+        f"(max token before the dump {dumped.tokens['max']})")
+
+
+def test_extension_dump_keeps_the_inbox(dumped: Dumped) -> None:
+    with psycopg.connect(dumped.lenient, autocommit=True) as conn:
+        assert conn.execute("SELECT idempotency.inbox_accept('dump', 'm1')").fetchone()[0] is False
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "known limitation: CREATE EXTENSION inserts the default settings row, so marking the table "
+    "for pg_dump would make the restore collide with it; changed settings must be re-applied "
+    "after restoring an extension install (docs/install.md)"))
+def test_extension_dump_keeps_settings(dumped: Dumped) -> None:
+    # settings is configuration the operator changed; STYLE.md: mark it with
+    # pg_extension_config_dump so pg_dump carries it.
+    with psycopg.connect(dumped.lenient, autocommit=True) as conn:
+        settings = conn.execute("SELECT premake, retention::text FROM idempotency.settings"
+                                ).fetchall()
+    assert settings == [(5, "7 days")], f"settings after restore: {settings}"
+
+
+# -- least privilege ----------------------------------------------------------------------------
+
+
+@pytest.fixture
+def app_role(server: PgServer, db: str) -> Iterator[str]:
+    """A LOGIN role (unique per test: roles are cluster-wide) granted grant_usage()."""
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole)", (role,))
+    try:
+        yield role
+    finally:
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_least_privilege_login_role(db: str, app_role: str) -> None:
+    with psycopg.connect(db, user=app_role, autocommit=True) as app:
+        assert app.execute("SELECT current_user, usesuper FROM pg_user "
+                           "WHERE usename = current_user").fetchone() == (app_role, False)
+        run_lifecycle(app, "app")
+        # takeover through the granted functions
+        past = app.execute("SELECT now() - interval '1 minute'").fetchone()[0]
+        app.execute("SELECT idempotency.claim('app', 'k3', '{}', lease => '1 second', "
+                    "reference_time => %s)", (past,))
+        assert app.execute("SELECT outcome FROM idempotency.takeover('app', 'k3')"
+                           ).fetchone()[0] == "resumed"
+
+        expect_sqlstate(app, "SELECT * FROM idempotency.keys", "42501")
+        expect_sqlstate(app, "SELECT * FROM idempotency.keys_default", "42501")
+        expect_sqlstate(app, "SELECT * FROM idempotency.inbox", "42501")
+        expect_sqlstate(app, "SELECT * FROM idempotency.settings", "42501")
+        expect_sqlstate(
+            app, "INSERT INTO idempotency.keys (scope, key, fingerprint, state, lease_token, "
+            "created_at) VALUES ('app', 'forged', '\\x00', 'completed', 1, now())", "42501")
+        expect_sqlstate(app, "UPDATE idempotency.keys SET state = 'completed'", "42501")
+        expect_sqlstate(app, "DELETE FROM idempotency.inbox", "42501")
+        expect_sqlstate(app, "SELECT nextval('idempotency.lease_token_seq')", "42501")
+        expect_sqlstate(app, "SELECT idempotency._premake(now())", "42501")
+        expect_sqlstate(app, "SELECT idempotency._lock_name(1, 'a', 'b')", "42501")
+        # A fenced write with a token that is not the owner's still raises the documented code.
+        expect_sqlstate(app, "SELECT idempotency.complete('app', 'k3', 1, 200, '{}')", "IK001")
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'app'"
+                            ).fetchone()[0] == 3
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'forged'"
+                            ).fetchone()[0] == 0
+
+
+# -- search_path --------------------------------------------------------------------------------
+
+
+def test_lifecycle_with_an_empty_search_path(db: str) -> None:
+    with psycopg.connect(db, autocommit=True, options="-c search_path=") as conn:
+        assert conn.execute("SELECT current_setting('search_path')").fetchone()[0] in ("", '""')
+        run_lifecycle(conn, "nopath")
+        past = conn.execute("SELECT now() - interval '1 minute'").fetchone()[0]
+        conn.execute("SELECT idempotency.claim('nopath', 'k3', '{}', lease => '1 second', "
+                     "reference_time => %s)", (past,))
+        assert conn.execute("SELECT count(*) FROM idempotency.list_abandoned()").fetchone()[0] == 1
+        assert conn.execute("SELECT outcome FROM idempotency.takeover('nopath', 'k3')"
+                            ).fetchone()[0] == "resumed"
+
+
+HOSTILE_SQL = r"""
+CREATE SCHEMA evil;
+CREATE FUNCTION evil.sha256(bytea) RETURNS bytea LANGUAGE sql
+    RETURN pg_catalog.decode(pg_catalog.repeat('ee', 32), 'hex');
+CREATE FUNCTION evil.convert_to(text, name) RETURNS bytea LANGUAGE sql RETURN '\x00'::bytea;
+CREATE FUNCTION evil.length(text) RETURNS integer LANGUAGE sql RETURN 0;
+CREATE FUNCTION evil.trim_scale(numeric) RETURNS numeric LANGUAGE sql RETURN 0;
+CREATE FUNCTION evil.jsonb_typeof(jsonb) RETURNS text LANGUAGE sql RETURN 'string';
+CREATE FUNCTION evil.string_agg(text, text) RETURNS text LANGUAGE sql RETURN 'x';
+CREATE FUNCTION evil.hashtext(text) RETURNS integer LANGUAGE sql RETURN 0;
+CREATE FUNCTION evil.pg_advisory_xact_lock(integer, integer) RETURNS void LANGUAGE sql
+    RETURN NULL;
+CREATE FUNCTION evil.clock_timestamp() RETURNS timestamptz LANGUAGE sql
+    RETURN '2000-01-01 00:00:00+00'::timestamptz;
+CREATE FUNCTION evil.nextval(regclass) RETURNS bigint LANGUAGE sql RETURN 1;
+CREATE FUNCTION evil.yes(bytea, bytea) RETURNS boolean LANGUAGE sql RETURN true;
+CREATE FUNCTION evil.no(bytea, bytea) RETURNS boolean LANGUAGE sql RETURN false;
+CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql RETURN 'x';
+CREATE OPERATOR evil.= (LEFTARG = bytea, RIGHTARG = bytea, FUNCTION = evil.yes);
+CREATE OPERATOR evil.<> (LEFTARG = bytea, RIGHTARG = bytea, FUNCTION = evil.no);
+CREATE OPERATOR evil.|| (LEFTARG = text, RIGHTARG = text, FUNCTION = evil.cat);
+GRANT USAGE ON SCHEMA evil TO public;
+"""
+
+HOSTILE_PATH = "-c search_path=evil,pg_catalog,public"
+
+
+def test_claims_are_correct_under_a_hostile_search_path(server: PgServer, db: str) -> None:
+    server.run_psql(db, HOSTILE_SQL)
+    request = {"b": [1, 2.50, {"z": True, "y": None}], "a": "é\n", "n": 50.0}
+    equivalent = {"n": 50, "a": "é\n", "b": [1, 2.5, {"y": None, "z": True}]}
+    canonical = '{"a":"é\\n","b":[1,2.5,{"y":null,"z":true}],"n":50}'
+    expected = hashlib.sha256(canonical.encode()).digest()
+
+    with psycopg.connect(db, autocommit=True, options=HOSTILE_PATH) as evil:
+        # The shadowing objects are live in this session ...
+        assert evil.execute("SELECT length('abc'), sha256('\\x01'::bytea) = '\\x02'::bytea"
+                            ).fetchone() == (0, True)
+        # ... and the engine does not see them.
+        assert bytes(evil.execute("SELECT idempotency.fingerprint(%s)", (Jsonb(request),)
+                                  ).fetchone()[0]) == expected
+        outcome, token, *_ = evil.execute(LIFECYCLE_CLAIM, ("hostile", "k1", Jsonb(request))
+                                          ).fetchone()
+        assert outcome == "claimed"
+        assert evil.execute(LIFECYCLE_CLAIM, ("hostile", "k1", Jsonb({"n": 51}))
+                            ).fetchone()[0] == "mismatch"
+        assert evil.execute(LIFECYCLE_CLAIM, ("hostile", "k1", Jsonb(equivalent))
+                            ).fetchone()[0] == "in_progress"
+        evil.execute("SELECT idempotency.complete('hostile', 'k1', %s, 200, %s, %s)",
+                     (token, Jsonb({"ok": 1}), Jsonb({"X-A": "b"})))
+        assert evil.execute(LIFECYCLE_CLAIM, ("hostile", "k1", Jsonb(equivalent))
+                            ).fetchone() == ("replay", None, 200, {"X-A": "b"}, {"ok": 1})
+        second = evil.execute(LIFECYCLE_CLAIM, ("hostile", "k2", Jsonb({}))).fetchone()[1]
+        assert second > token
+        run_lifecycle(evil, "hostile2")
+
+        # The key lock is the real one: a claim of a key held by an open transaction waits.
+        with psycopg.connect(db, options=HOSTILE_PATH) as holder:
+            assert holder.execute(LIFECYCLE_CLAIM, ("hostile", "k3", Jsonb({}))
+                                  ).fetchone()[0] == "claimed"
+            evil.execute("SET lock_timeout = '200ms'")
+            expect_sqlstate(evil, LIFECYCLE_CLAIM, "55P03", ("hostile", "k3", Jsonb({})))
+            holder.rollback()
+
+    with psycopg.connect(db) as conn:
+        stored, fp, created_ok = conn.execute(
+            "SELECT k.fingerprint, idempotency.fingerprint(%s), "
+            "k.created_at > now() - interval '1 hour' "
+            "FROM idempotency.keys AS k WHERE k.scope = 'hostile' AND k.key = 'k1'",
+            (Jsonb(request),)).fetchone()
+        assert bytes(stored) == bytes(fp) == expected
+        assert created_ok, "created_at must come from the real clock_timestamp()"
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'hostile'"
+                            ).fetchone()[0] == 2
+
+
+def test_hostile_search_path_for_concurrent_claims(server: PgServer, db: str) -> None:
+    """With pg_advisory_xact_lock and hashtext shadowed, 16 sessions claiming the same keys
+    still produce one row and one claimed per key."""
+    server.run_psql(db, HOSTILE_SQL)
+    n, keys = 16, [f"h{i}" for i in range(20)]
+    barrier = threading.Barrier(n, timeout=60)
+    outcomes: list[tuple[str, str]] = []
+    errors: list[BaseException] = []
+
+    def session() -> None:
+        try:
+            with psycopg.connect(db, autocommit=True, options=HOSTILE_PATH) as conn:
+                barrier.wait()
+                for k in keys:
+                    outcomes.append((k, conn.execute(LIFECYCLE_CLAIM, ("hc", k, Jsonb({"v": 1}))
+                                                     ).fetchone()[0]))
+        except BaseException as exc:  # re-raised below
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=session, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors[0]
+    claimed = sorted(k for k, o in outcomes if o == "claimed")
+    assert claimed == sorted(keys)
+    assert len(outcomes) == n * len(keys)
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'hc'"
+                            ).fetchone()[0] == len(keys)
