@@ -17,8 +17,9 @@ from typing import Any, TypeVar
 
 import psycopg
 import pytest
-from pgharness import HarnessError, PgServer, flavour_bindir
 from psycopg import sql
+
+from pgharness import HarnessError, PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_EXT = ROOT / "build" / "extension"

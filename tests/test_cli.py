@@ -11,8 +11,9 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from pgharness import PgServer
 from psycopg import sql
+
+from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "pg-idempotency"

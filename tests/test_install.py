@@ -24,9 +24,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from pgharness import PgServer
 from psycopg import sql
 from psycopg.types.json import Jsonb
+
+from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg.rows import dict_row
+
 from pg_idempotency.migrate import (
     LOCK_KEY,
     MigrationError,
@@ -16,7 +18,6 @@ from pg_idempotency.migrate import (
     migrations,
 )
 from pgharness import PgServer
-from psycopg.rows import dict_row
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO_MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+
 from pgharness import PgServer
 
 SQL_DIR = Path(__file__).resolve().parent / "sql"

