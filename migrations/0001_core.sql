@@ -51,7 +51,9 @@ CREATE TABLE idempotency.settings (
 COMMENT ON TABLE idempotency.settings IS
 'pg_idempotency settings (exactly one row): partition_interval, retention, premake.';
 
-INSERT INTO idempotency.settings DEFAULT VALUES;
+-- The row is not inserted here but by the first idempotency._premake() (sql/bootstrap.sql runs
+-- it at install). Inside CREATE EXTENSION a row made by the script could never be dumped: the
+-- restore runs the script again, and loading the dumped row would then collide with it.
 
 REVOKE ALL ON idempotency.settings FROM public;
 
@@ -586,6 +588,8 @@ DECLARE
     v_created integer := 0;
     v_parent text;
 BEGIN
+    -- The settings row is made on first use (see sql/tables/settings.sql).
+    INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
     SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
     v_start := date_bin(v_settings.partition_interval, _premake.reference_time,
                         timestamptz '2000-01-01 00:00:00+00');

@@ -331,13 +331,9 @@ def test_extension_dump_keeps_the_inbox(dumped: Dumped) -> None:
         assert conn.execute("SELECT idempotency.inbox_accept('dump', 'm1')").fetchone()[0] is False
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "known limitation: CREATE EXTENSION inserts the default settings row, so marking the table "
-    "for pg_dump would make the restore collide with it; changed settings must be re-applied "
-    "after restoring an extension install (docs/install.md)"))
 def test_extension_dump_keeps_settings(dumped: Dumped) -> None:
-    # settings is configuration the operator changed; STYLE.md: mark it with
-    # pg_extension_config_dump so pg_dump carries it.
+    # settings is configuration the operator changed; it is marked with
+    # pg_extension_config_dump, and its row is never made by the extension script.
     with psycopg.connect(dumped.lenient, autocommit=True) as conn:
         settings = conn.execute("SELECT premake, retention::text FROM idempotency.settings"
                                 ).fetchall()

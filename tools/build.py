@@ -28,14 +28,17 @@ BUILD = ROOT / "build"
 EXTENSION = "pg_idempotency"
 VERSION = "0.1.0"
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
-# keys (until maintenance moves them out) and the sequence's position is what keeps fencing
-# tokens increasing after a restore. Ranged partitions are not members at all (see
-# sql/functions/_create_partition.sql), so they are dumped like any table.
+# keys (until maintenance moves them out), the sequence's position is what keeps fencing
+# tokens increasing after a restore, and settings hold what the operator chose (its row is made
+# by _premake(), never by the script, so restoring it cannot collide). Ranged partitions are
+# not members at all (see sql/functions/_create_partition.sql), so they are dumped like any
+# table.
 EXTENSION_EPILOGUE = """
 -- Dumped with the data, not re-created empty, by pg_dump and pg_restore.
 SELECT pg_catalog.pg_extension_config_dump('idempotency.keys_default', '');
 SELECT pg_catalog.pg_extension_config_dump('idempotency.inbox_default', '');
 SELECT pg_catalog.pg_extension_config_dump('idempotency.lease_token_seq', '');
+SELECT pg_catalog.pg_extension_config_dump('idempotency.settings', '');
 SELECT pg_catalog.set_config('idempotency.creating_extension', 'off', true);
 """
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")

@@ -13,6 +13,8 @@ DECLARE
     v_created integer := 0;
     v_parent text;
 BEGIN
+    -- The settings row is made on first use (see sql/tables/settings.sql).
+    INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
     SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
     v_start := date_bin(v_settings.partition_interval, _premake.reference_time,
                         timestamptz '2000-01-01 00:00:00+00');

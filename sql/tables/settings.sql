@@ -19,6 +19,8 @@ CREATE TABLE idempotency.settings (
 COMMENT ON TABLE idempotency.settings IS
 'pg_idempotency settings (exactly one row): partition_interval, retention, premake.';
 
-INSERT INTO idempotency.settings DEFAULT VALUES;
+-- The row is not inserted here but by the first idempotency._premake() (sql/bootstrap.sql runs
+-- it at install). Inside CREATE EXTENSION a row made by the script could never be dumped: the
+-- restore runs the script again, and loading the dumped row would then collide with it.
 
 REVOKE ALL ON idempotency.settings FROM public;
