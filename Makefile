@@ -26,7 +26,7 @@ WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
 	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 
 RUFF_PATHS     := $(wildcard python tests tools bench)
-SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql)
+SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
