@@ -84,6 +84,12 @@ SELECT idempotency.fingerprint(
     fields => %(fields)s::text[]) AS fingerprint
 """
 
+# -- the installed schema (migrate.py keeps its own statements next to its lock) -------------
+
+SCHEMA_INSTALLED: Final = (
+    "SELECT pg_catalog.to_regclass('idempotency.migrations') IS NOT NULL AS installed")
+SCHEMA_VERSION: Final = "SELECT max(version) AS version FROM idempotency.migrations"
+
 # -- transactions ---------------------------------------------------------------------------
 
 BEGIN: Final = "BEGIN"
