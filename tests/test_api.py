@@ -8,7 +8,7 @@ the async API returns and passes the sync API's results through.
 from __future__ import annotations
 
 import inspect
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 import psycopg
@@ -58,7 +58,7 @@ async def insert(conn: Any, amount: int) -> None:
 
 async def test_every_outcome(flavour: Any) -> None:
     api, conn = flavour
-    t0 = datetime.now(UTC)
+    t0 = datetime.now(timezone.utc)
     req = {"amount": 50, "currency": "EUR"}
 
     first = await call(api.claim(conn, "acct", "k1", req, lease=10, reference_time=t0))
@@ -122,7 +122,7 @@ async def test_every_outcome(flavour: Any) -> None:
 
 async def test_takeover_list_abandoned_inbox(flavour: Any) -> None:
     api, conn = flavour
-    t0 = datetime.now(UTC)
+    t0 = datetime.now(timezone.utc)
     for k in ("a1", "a2"):
         await call(api.claim(conn, "s", k, {"k": k}, lease=1, reference_time=t0))
     later = t0 + timedelta(seconds=5)
@@ -219,7 +219,7 @@ async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
         await call(op.complete(200, None))
 
     # after a checkpoint: the step's writes stay, later writes roll back, the key stays
-    t0 = datetime.now(UTC)
+    t0 = datetime.now(timezone.utc)
     with pytest.raises(TimeoutError):
         async with _enter(api.operation(conn, "acct", "op3", {"v": 3}, lease=5,
                                         reference_time=t0)) as op:
@@ -262,7 +262,7 @@ async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
 async def test_complete_rolls_back_with_the_business_write_when_the_lease_was_lost(
         flavour: Any, db: str) -> None:
     api, conn = flavour
-    t0 = datetime.now(UTC)
+    t0 = datetime.now(timezone.utc)
     with pytest.raises(idem.LeaseLost):
         async with _enter(api.operation(conn, "acct", "lost", {"v": 1}, lease=1,
                                         reference_time=t0)) as op:

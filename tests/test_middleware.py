@@ -102,6 +102,25 @@ async def test_409_with_retry_after_then_replay(db: str) -> None:
     assert len(ledger_rows(db)) == 1
 
 
+async def test_lease_lost_while_handling_rolls_back_and_answers_409(db: str) -> None:
+    """The first attempt outlives its lease; a retry takes the key over and finishes. The
+    first one's complete() is fenced off: its ledger row rolls back, its client gets 409."""
+    processor = payments.FakeProcessor(delay=1.2)
+    app = payments.create_app(db, processor, wait=0, lease=0.4)
+    async with lifespan(app), asgi_client(app) as client:
+        slow = asyncio.ensure_future(post(client, "fenced", {"amount": 5}))
+        await _until_claimed(db, "fenced")
+        await asyncio.sleep(0.6)
+        retry = await post(client, "fenced", {"amount": 5})
+        first = await slow
+        assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        assert first.status_code == 409 and first.headers["retry-after"] == "1"
+        replay = await post(client, "fenced", {"amount": 5})
+        assert replay.content == retry.content
+    assert len(ledger_rows(db)) == 1
+    assert processor.calls == 2 and len(processor.charges) == 1  # one charge downstream
+
+
 async def test_50_concurrent_identical_posts_asgi(db: str) -> None:
     processor = payments.FakeProcessor(delay=0.3)
     app = payments.create_app(db, processor, wait=20)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import os
 import uuid
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -73,12 +74,12 @@ def caller_account(request: Request) -> str | None:
 
 
 def create_app(dsn: str, processor: FakeProcessor | None = None, wait: float = WAIT,
-               pool_size: int = 10) -> FastAPI:
+               lease: float = 30.0, pool_size: int = 10) -> FastAPI:
     pool = AsyncConnectionPool(dsn, min_size=2, max_size=pool_size, open=False)
     processor = processor or FakeProcessor()
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI):  # noqa: ANN202
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         await pool.open()
         async with pool.connection() as conn:
             await conn.execute(SCHEMA)
@@ -88,7 +89,7 @@ def create_app(dsn: str, processor: FakeProcessor | None = None, wait: float = W
     app = FastAPI(title="payments", lifespan=lifespan)
     app.state.processor = processor
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=caller_account, wait=wait,
-                       routes={"POST /payments": Policy.REQUIRED})
+                       lease=lease, routes={"POST /payments": Policy.REQUIRED})
 
     @app.post("/payments", status_code=201)
     async def create_payment(payment: Payment, request: Request) -> JSONResponse:
