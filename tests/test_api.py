@@ -304,6 +304,7 @@ async def test_decorator(flavour: Any, db: str) -> None:
             conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', %s)", (amount,))
             return {"charged": amount, "ref": op.derive_key("processor")[:8]}
 
+    assert inspect.iscoroutinefunction(charge) == (api is aio)
     first = await call(charge(conn, "acct", "d1", 30))
     second = await call(charge(conn, "acct", "d1", 30))
     assert first == second and first["charged"] == 30

@@ -10,6 +10,7 @@ the same generators of :mod:`pg_idempotency.core`.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from types import TracebackType
@@ -84,12 +85,19 @@ def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,
 def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200
                ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Make ``async fn(conn, *args, **kwargs)`` idempotent: call it as
-    ``await fn(conn, scope, key, *args, **kwargs)``. Its return value (a JSON value) is stored with
-    ``status`` in the transaction of its writes; a retry with the same arguments returns the
-    stored value without running it. A parameter named ``op`` receives the :class:`Operation`."""
+    ``await fn(conn, scope, key, *args, **kwargs)``. Its return value (a JSON value) is
+    stored with ``status`` in the transaction of its writes; a retry with the same arguments
+    returns the stored value without running it. A parameter named ``op`` receives the
+    :class:`Operation`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return core.idempotent_wrapper(fn, lease=lease, status=status, driver=core._arun,
-                                       make_op=lambda c, conn: Operation(c, conn))
+        run = core.idempotent_wrapper(fn, lease=lease, status=status, driver=core._arun,
+                                      make_op=lambda c, conn: Operation(c, conn))
+
+        @functools.wraps(run)
+        async def call(*args: Any, **kwargs: Any) -> Any:  # a coroutine function, as fn was
+            return await run(*args, **kwargs)
+
+        return call
 
     return decorate
