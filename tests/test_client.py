@@ -1,9 +1,13 @@
-"""The retrying client: against the example app behind a transport that loses the first
-responses after the server committed (ASGI in process, and a real uvicorn server), and its
-retry rules against scripted answers (httpx.MockTransport, no database)."""
+"""The retrying client against the example app when the first responses are lost after the
+server committed: async through an in-process transport that drops them, sync through a TCP
+proxy in front of a real uvicorn server that cuts the connection. Its retry rules against
+scripted answers (httpx.MockTransport, no database)."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import threading
 import time
 from typing import Any
 
@@ -19,46 +23,25 @@ ACCT = {"X-Account": "acct_42"}
 FAST = {"initial": 0.01, "max_delay": 0.2}
 
 
-class _Dropping:
-    """Passes each request to the server, reads the whole response, then, for the first
-    ``drop`` requests, throws it away and raises a transport error: the server committed,
-    the client never heard."""
+class AsyncDroppingTransport(httpx.AsyncBaseTransport):
+    """Passes each request to the server and reads the whole response; for the first
+    ``drop`` requests it then throws the response away and raises a transport error: the
+    server committed, the client never heard."""
 
-    def __init__(self, inner: Any, drop: int) -> None:
+    def __init__(self, inner: httpx.AsyncBaseTransport, drop: int) -> None:
         self.inner = inner
         self.drop = drop
         self.seen: list[httpx.Request] = []
         self.lost: list[bytes] = []
 
-    def _after(self, request: httpx.Request, response: httpx.Response) -> httpx.Response:
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.inner.handle_async_request(request)
+        await response.aread()
         self.seen.append(request)
         if len(self.seen) <= self.drop:
             self.lost.append(response.content)
             raise httpx.ReadError("connection reset by peer", request=request)
         return response
-
-
-class DroppingTransport(_Dropping, httpx.BaseTransport):
-    def handle_request(self, request: httpx.Request) -> httpx.Response:
-        response = self.inner.handle_request(request)
-        response.read()
-        return self._after(request, response)
-
-
-class AsyncDroppingTransport(_Dropping, httpx.AsyncBaseTransport):
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await self.inner.handle_async_request(request)
-        await response.aread()
-        return self._after(request, response)
-
-
-def _check(db: str, transport: _Dropping, keys: list[str], response: httpx.Response) -> None:
-    assert response.status_code == 201
-    assert response.headers["idempotent-replayed"] == "true"
-    assert len(transport.seen) == 3
-    assert {r.headers["idempotency-key"] for r in transport.seen} == set(keys)
-    assert transport.lost[0] == response.content  # the caller gets the original response
-    assert len(ledger_rows(db)) == 1
 
 
 async def test_async_client_through_lost_responses(db: str) -> None:
@@ -74,20 +57,82 @@ async def test_async_client_through_lost_responses(db: str) -> None:
                                                 base_url="http://test") as http:
         client = AsyncRetryingClient(http, on_key=remember, **FAST)
         response = await client.post("/payments", json={"amount": 50}, headers=ACCT)
-    assert len(keys) == 1
-    _check(db, transport, keys, response)
+    assert response.status_code == 201
+    assert response.headers["idempotent-replayed"] == "true"
+    assert len(keys) == 1 and len(transport.seen) == 3
+    assert {r.headers["idempotency-key"] for r in transport.seen} == set(keys)
+    assert transport.lost[0] == response.content  # the caller gets the original response
+    assert len(ledger_rows(db)) == 1
 
 
-def test_sync_client_through_lost_responses_uvicorn(db: str) -> None:
+class DroppingProxy:
+    """A TCP proxy on 127.0.0.1 in front of a server: on its first ``drop`` connections it
+    passes the request on, reads what the server answers (so the server has committed:
+    the middleware sends only after the commit) and closes the client's connection without
+    a byte. The client sees the server disconnect, as after a crash or a network cut."""
+
+    def __init__(self, upstream: str, drop: int) -> None:
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream = (host, int(port))
+        self.drop = drop
+        self.lost: list[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}"
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        connections = 0
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return  # closed
+            connections += 1
+            threading.Thread(target=self._serve, args=(client, connections <= self.drop),
+                             daemon=True).start()
+
+    def _serve(self, client: socket.socket, drop: bool) -> None:
+        with client, socket.create_connection(self.upstream, timeout=30) as server:
+            threading.Thread(target=_pump, args=(client, server), daemon=True).start()
+            if not drop:
+                _pump(server, client)
+                return
+            answer = server.recv(65536)
+            server.settimeout(0.3)
+            with contextlib.suppress(OSError):
+                while chunk := server.recv(65536):
+                    answer += chunk
+            self.lost.append(answer)
+            client.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := src.recv(65536):
+            dst.sendall(data)
+        dst.shutdown(socket.SHUT_WR)
+
+
+def test_sync_client_through_a_proxy_that_drops_responses(db: str) -> None:
     app = payments.create_app(db)
     keys: list[str] = []
-    transport = DroppingTransport(httpx.HTTPTransport(), drop=2)
-    with uvicorn_server(app) as base, httpx.Client(transport=transport, base_url=base) as http:
-        client = RetryingClient(http, on_key=keys.append, **FAST)
-        response = client.post("/payments", json={"amount": 50}, headers=ACCT,
-                               key="intent-1")
-    assert keys == ["intent-1"]
-    _check(db, transport, keys, response)
+    with uvicorn_server(app) as base:
+        proxy = DroppingProxy(base, drop=2)
+        try:
+            with httpx.Client(base_url=proxy.url, timeout=30) as http:
+                client = RetryingClient(http, on_key=keys.append, **FAST)
+                response = client.post("/payments", json={"amount": 50}, headers=ACCT)
+        finally:
+            proxy.close()
+    assert response.status_code == 201
+    assert response.headers["idempotent-replayed"] == "true"
+    assert len(keys) == 1 and len(proxy.lost) == 2
+    assert proxy.lost[0].startswith(b"HTTP/1.1 201")
+    assert proxy.lost[0].endswith(response.content)  # the caller gets the original response
+    assert len(ledger_rows(db)) == 1
 
 
 # -- the retry rules ------------------------------------------------------------------------
