@@ -25,7 +25,7 @@ SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
 	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 
-RUFF_PATHS     := $(wildcard python tests tools bench)
+RUFF_PATHS     := $(wildcard python tests tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
 

@@ -153,3 +153,9 @@ def db(server: PgServer, template_dsn: str, server_pool: ServerPool) -> Iterator
 def empty_db(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
     """DSN of a brand-new empty database, dropped afterwards."""
     yield from _scratch_db(server, server_pool.new_db_name("e"), None)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    """Async tests (``@pytest.mark.anyio``) run on asyncio only."""
+    return "asyncio"

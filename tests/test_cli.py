@@ -13,7 +13,8 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgharness import PgServer
+from pg_idempotency import cli
+from pgharness import PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "pg-idempotency"
@@ -52,7 +53,7 @@ def test_console_script_is_installed() -> None:
 @pytest.mark.parametrize(
     "args, needles",
     [
-        ((), ["migrate", "sql", "--version"]),
+        ((), ["migrate", "sql", "--version", "--dsn", "DATABASE_URL"]),
         (("migrate",), ["--dsn", "DATABASE_URL", "up to date"]),
         (("sql",), ["psql", "idempotency.migrations"]),
     ],
@@ -152,3 +153,33 @@ def test_sql_error_during_migrate(server: PgServer, empty_db: str) -> None:
     finally:
         with psycopg.connect(admin, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_wrong_password() -> None:
+    """A server of its own with password authentication on TCP (the shared ones trust)."""
+    with PgServer(flavour_bindir("pg15"), name="scram") as srv:
+        srv.run_psql(srv.dsn(unix_socket=True),
+                     "CREATE ROLE app LOGIN PASSWORD 'right-password';")
+        (srv.datadir / "pg_hba.conf").write_text(
+            "local all all trust\nhost all all 127.0.0.1/32 scram-sha-256\n")
+        srv.run_psql(srv.dsn(unix_socket=True), "SELECT pg_reload_conf();")
+        dsn = f"postgresql://app:wrong-password@127.0.0.1:{srv.port}/postgres"
+        proc = run("migrate", env={"DATABASE_URL": dsn})
+        assert_one_line_error(proc, "cannot connect", "password authentication failed")
+        assert "wrong-password" not in proc.stderr
+
+
+def test_schema_missing(empty_db: str, monkeypatch: pytest.MonkeyPatch,
+                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Commands that use the schema (needs_schema) refuse a database without it in one line.
+    (No shipped command needs it yet: a stand-in is registered for the test.)"""
+    ran: list[str] = []
+    stand_in = cli.Command("probe", help="h", description="d", database=True,
+                           needs_schema=True, run=lambda args, conn: ran.append("x") or 0)
+    monkeypatch.setattr(cli, "COMMANDS", [*cli.COMMANDS, stand_in])
+    assert cli.main(["probe", "--dsn", empty_db]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 1 and "idempotency schema is not installed" in err[0], err
+    assert "pg-idempotency migrate" in err[0] and ran == []
+    assert cli.main(["migrate", "--dsn", empty_db]) == 0
+    assert cli.main(["probe", "--dsn", empty_db]) == 0 and ran == ["x"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from pg_idempotency import queries
 from pg_idempotency.fingerprint import (
     InvalidArgument,
     canonical_json,
@@ -77,12 +78,8 @@ def test_sql_refuses_invalid_vectors(db: str) -> None:
         for v in INVALID:
             a = v["args"]
             with pytest.raises(psycopg.Error) as info:
-                if v["function"] == "derive_key":
-                    conn.execute("SELECT idempotency.derive_key(%(scope)s::text, %(key)s::text,"
-                                 " %(step)s::text)", a)
-                else:
-                    conn.execute("SELECT idempotency.fingerprint(%(request)s::jsonb,"
-                                 " coalesce(%(defaults)s::jsonb, '{}'), %(fields)s::text[])", a)
+                conn.execute(queries.DERIVE_KEY if v["function"] == "derive_key"
+                             else queries.FINGERPRINT, a)
             assert info.value.sqlstate == v["sqlstate"], v["name"]
             if v["argument"] is not None:
                 assert info.value.diag.column_name == v["argument"], v["name"]

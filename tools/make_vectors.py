@@ -23,6 +23,8 @@ from pathlib import Path
 
 import psycopg
 
+from pg_idempotency import queries
+
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "tests" / "vectors" / "fingerprint.json"
 
@@ -268,12 +270,8 @@ def _sqlstate_of(conn: psycopg.Connection, case: dict) -> str | None:
     args = case["args"]
     try:
         with conn.transaction():
-            if case["function"] == "derive_key":
-                conn.execute("SELECT idempotency.derive_key(%(scope)s::text, %(key)s::text,"
-                             " %(step)s::text)", args)
-            else:
-                conn.execute("SELECT idempotency.fingerprint(%(request)s::jsonb,"
-                             " coalesce(%(defaults)s::jsonb, '{}'), %(fields)s::text[])", args)
+            conn.execute(queries.DERIVE_KEY if case["function"] == "derive_key"
+                         else queries.FINGERPRINT, args)
     except psycopg.Error as exc:
         return exc.sqlstate
     return None

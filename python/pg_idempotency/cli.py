@@ -5,7 +5,12 @@
     pg-idempotency --version
 
 Every failure is one line on stderr and a non-zero exit status: 1 for a database or migration
-error, 2 for a usage error, 130 when interrupted.
+error (unreachable server, failed authentication, schema missing), 2 for a usage error, 130
+when interrupted.
+
+A subcommand is one :class:`Command` in :data:`COMMANDS`: its name, help texts and a
+``run(args, conn)`` function. ``database=True`` gives it ``--dsn`` / $DATABASE_URL and an open
+connection; ``needs_schema=True`` also checks that the schema is installed and up to date.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import __version__
+from . import __version__, queries
 from .migrate import MigrationError, install_sql, migrate, migrations
 
 PROG = "pg-idempotency"
@@ -36,47 +42,22 @@ class CliError(Exception):
         self.status = status
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog=PROG,
-        description="Idempotency keys done inside PostgreSQL: install and upgrade the "
-        "'idempotency' schema.",
-        epilog=f"Run '{PROG} COMMAND --help' for the options of a command.",
-    )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
-    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+@dataclass(frozen=True)
+class Command:
+    """One subcommand. A command with ``database`` gets ``--dsn`` (default $DATABASE_URL) and
+    is called with an open autocommit connection; with ``needs_schema`` the connection is
+    first checked for an up-to-date ``idempotency`` schema (one clear line if not)."""
 
-    p_migrate = commands.add_parser(
-        "migrate",
-        help="apply pending migrations to a database",
-        description="Apply the bundled migrations the database lacks, each in its own "
-        "transaction under an advisory lock, so concurrent runs are safe and a second run "
-        "does nothing. Migrations applied earlier with psql or another tool are recognised "
-        "(each records itself in idempotency.migrations). Prints each migration it applies, "
-        "or 'up to date'.",
-    )
-    p_migrate.add_argument(
-        "--dsn",
-        metavar="DSN",
-        help="libpq connection string or URI, e.g. postgresql://user@host:5432/dbname "
-        "(default: $DATABASE_URL). Prefer the environment variable or ~/.pgpass for a "
-        "password: command lines are visible to other users.",
-    )
-    p_migrate.set_defaults(handler=cmd_migrate)
-
-    p_sql = commands.add_parser(
-        "sql",
-        help="print the install SQL (all migrations) to stdout",
-        description="Print every bundled migration, concatenated in order, for another "
-        "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
-        "-d DSN. The script records its versions in idempotency.migrations, so a later "
-        "'pg-idempotency migrate' applies only newer migrations.",
-    )
-    p_sql.set_defaults(handler=cmd_sql)
-    return parser
+    name: str
+    help: str
+    description: str
+    run: Callable[[argparse.Namespace, psycopg.Connection | None], int]
+    database: bool = False
+    needs_schema: bool = False
+    arguments: Callable[[argparse.ArgumentParser], None] | None = None
 
 
-def cmd_sql(args: argparse.Namespace) -> int:
+def cmd_sql(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
     try:
         text = install_sql()
     except MigrationError as exc:
@@ -86,26 +67,104 @@ def cmd_sql(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_migrate(args: argparse.Namespace) -> int:
-    dsn = args.dsn or os.environ.get("DATABASE_URL")
-    if not dsn:
-        raise CliError("no database given: pass --dsn DSN or set DATABASE_URL", status=2)
+def cmd_migrate(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    assert conn is not None
+    names = _bundled_names()
     try:
-        names = {m.version: m.name for m in migrations()}
+        applied = migrate(conn)
     except MigrationError as exc:
-        raise CliError(str(exc)) from None
-    with _connect(dsn) as conn:
-        try:
-            applied = migrate(conn)
-        except MigrationError as exc:
-            raise CliError(f"migrate failed: {exc}") from None
-        except psycopg.Error as exc:
-            raise CliError(f"migrate failed: {_describe(exc)}") from None
+        raise CliError(f"migrate failed: {exc}") from None
+    except psycopg.Error as exc:
+        raise CliError(f"migrate failed: {_describe(exc)}") from None
     if not applied:
         print(f"up to date (latest migration: {names[max(names)]})" if names else "up to date")
     for version in applied:
         print(f"applied {names[version]}")
     return 0
+
+
+COMMANDS: list[Command] = [
+    Command(
+        "migrate", run=cmd_migrate, database=True,
+        help="apply pending migrations to a database",
+        description="Apply the bundled migrations the database lacks, each in its own "
+        "transaction under an advisory lock, so concurrent runs are safe and a second run "
+        "does nothing. Migrations applied earlier with psql or another tool are recognised "
+        "(each records itself in idempotency.migrations). Prints each migration it applies, "
+        "or 'up to date'.",
+    ),
+    Command(
+        "sql", run=cmd_sql,
+        help="print the install SQL (all migrations) to stdout",
+        description="Print every bundled migration, concatenated in order, for another "
+        "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
+        "-d DSN. The script records its versions in idempotency.migrations, so a later "
+        "'pg-idempotency migrate' applies only newer migrations.",
+    ),
+]
+
+
+def build_parser(commands: Sequence[Command] | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Idempotency keys done inside PostgreSQL: install and upgrade the "
+        "'idempotency' schema.",
+        epilog=f"Run '{PROG} COMMAND --help' for the options of a command. Commands that "
+        "use a database take --dsn, or read the DATABASE_URL environment variable.",
+    )
+    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for command in COMMANDS if commands is None else commands:
+        p = sub.add_parser(command.name, help=command.help, description=command.description)
+        if command.database:
+            p.add_argument(
+                "--dsn",
+                metavar="DSN",
+                help="libpq connection string or URI, e.g. "
+                "postgresql://user@host:5432/dbname (default: the DATABASE_URL environment "
+                "variable). Prefer the environment variable or ~/.pgpass for a password: "
+                "command lines are visible to other users.",
+            )
+        if command.arguments is not None:
+            command.arguments(p)
+        p.set_defaults(command_spec=command)
+    return parser
+
+
+def run_command(command: Command, args: argparse.Namespace) -> int:
+    if not command.database:
+        return command.run(args, None)
+    dsn = args.dsn or os.environ.get("DATABASE_URL")
+    if not dsn:
+        raise CliError("no database given: pass --dsn DSN or set DATABASE_URL", status=2)
+    with _connect(dsn) as conn:
+        if command.needs_schema:
+            _require_schema(conn)
+        return command.run(args, conn)
+
+
+def _bundled_names() -> dict[int, str]:
+    try:
+        return {m.version: m.name for m in migrations()}
+    except MigrationError as exc:
+        raise CliError(str(exc)) from None
+
+
+def _require_schema(conn: psycopg.Connection) -> None:
+    """One line when the schema is missing or older than this package's migrations."""
+    names = _bundled_names()
+    try:
+        (present,) = conn.execute(queries.SCHEMA_INSTALLED).fetchone() or (False,)
+        installed = conn.execute(queries.SCHEMA_VERSION).fetchone()[0] if present else None
+    except psycopg.Error as exc:
+        raise CliError(f"cannot read the idempotency schema: {_describe(exc)}") from None
+    where = f"database {conn.info.dbname!r}"
+    if installed is None:
+        raise CliError(f"the idempotency schema is not installed in {where}: run "
+                       f"'{PROG} migrate' first")
+    if names and installed < max(names):
+        raise CliError(f"the idempotency schema in {where} is at migration {installed}, this "
+                       f"{PROG} needs {max(names)}: run '{PROG} migrate' first")
 
 
 def _connect(dsn: str) -> psycopg.Connection:
@@ -145,7 +204,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # exits 2 with a usage message on bad arguments
     try:
-        return args.handler(args)
+        return run_command(args.command_spec, args)
     except CliError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return exc.status

@@ -10,7 +10,8 @@ decimal value, parse JSON text with :func:`loads` (numbers become ``Decimal``); 
 taken as ``Decimal(repr(f))``, which is what the database receives when the same value is sent
 through ``psycopg.types.json.Jsonb``.
 
-Bad arguments raise :class:`InvalidArgument` (a ``ValueError``) whose ``argument`` names the
+Bad arguments raise :class:`~pg_idempotency.errors.InvalidArgument` (a ``ValueError``; the
+subclass for the SQLSTATE, e.g. ``ArgumentEmpty`` for IK011) whose ``argument`` names the
 argument and whose ``sqlstate`` is the code the SQL function raises for the same input (IK01x),
 or the one PostgreSQL raises when it cannot take the value as jsonb at all.
 """
@@ -23,6 +24,8 @@ import math
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
+
+from .errors import InvalidArgument, invalid_argument
 
 __all__ = ["InvalidArgument", "canonical_json", "derive_key", "fingerprint", "loads"]
 
@@ -37,16 +40,6 @@ _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r
             "\t": "\\t"}
 _ESCAPES.update({chr(c): f"\\u{c:04x}" for c in range(0x20) if chr(c) not in _ESCAPES})
 _ESCAPE_TABLE = str.maketrans(_ESCAPES)
-
-
-class InvalidArgument(ValueError):
-    """An argument the SQL function would refuse, with the SQLSTATE it would raise."""
-
-    def __init__(self, function: str, argument: str, sqlstate: str, problem: str) -> None:
-        self.function = function
-        self.argument = argument
-        self.sqlstate = sqlstate
-        super().__init__(f'{function}: argument "{argument}" {problem}')
 
 
 def loads(text: str | bytes) -> Any:
@@ -81,23 +74,23 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
     fn = "idempotency.fingerprint"
     if fields is not None:
         if isinstance(fields, (str, bytes)):
-            raise InvalidArgument(fn, "fields", "IK015",
+            raise invalid_argument(fn, "fields", "IK015",
                                   "must be a list of field names, not a single string")
         fields = list(fields)
     if (defaults is not None and defaults != {}) or fields is not None:
         if not isinstance(request, Mapping):
-            raise InvalidArgument(fn, "request", "IK015",
+            raise invalid_argument(fn, "request", "IK015",
                                   "must be a JSON object when defaults or fields are given "
                                   f"(it is a JSON {_json_type(request)})")
         if not isinstance(defaults, Mapping) and defaults is not None:
-            raise InvalidArgument(fn, "defaults", "IK015",
+            raise invalid_argument(fn, "defaults", "IK015",
                                   f"must be a JSON object (it is a JSON {_json_type(defaults)})")
         if fields is not None:
             for name in fields:
                 if name is None:
-                    raise InvalidArgument(fn, "fields", "IK010", "must not contain NULL")
+                    raise invalid_argument(fn, "fields", "IK010", "must not contain NULL")
                 if not isinstance(name, str):
-                    raise InvalidArgument(fn, "fields", "IK015",
+                    raise invalid_argument(fn, "fields", "IK015",
                                           f"must contain strings, found {type(name).__name__}")
         merged = {**(defaults or {}), **request}
         if fields is not None:
@@ -126,20 +119,20 @@ def derive_key(scope: str, key: str, step: str) -> str:
 def _check_name(fn: str, argument: str, value: Any) -> None:
     """idempotency._check_name: same rules, same SQLSTATEs."""
     if value is None:
-        raise InvalidArgument(fn, argument, "IK010", "must not be NULL")
+        raise invalid_argument(fn, argument, "IK010", "must not be NULL")
     if not isinstance(value, str):
-        raise InvalidArgument(fn, argument, "IK015",
+        raise invalid_argument(fn, argument, "IK015",
                               f"must be a string, not {type(value).__name__}")
     if value == "":
-        raise InvalidArgument(fn, argument, "IK011", "must not be empty")
+        raise invalid_argument(fn, argument, "IK011", "must not be empty")
     if len(value) > 255:
-        raise InvalidArgument(fn, argument, "IK012",
+        raise invalid_argument(fn, argument, "IK012",
                               f"must be at most 255 characters long (it is {len(value)})")
     for pos, ch in enumerate(value, 1):
         # PostgreSQL's regex class [[:cntrl:]] is exactly these, whatever the locale
         # (src/backend/regex/regc_locale.c).
         if ch <= "\x1f" or "\x7f" <= ch <= "\x9f":
-            raise InvalidArgument(fn, argument, "IK013",
+            raise invalid_argument(fn, argument, "IK013",
                                   f"must not contain control characters (found U+{ord(ch):04X} "
                                   f"at character {pos})")
     _check_string(value, fn, argument)
@@ -165,12 +158,12 @@ def _json_type(value: Any) -> str:
 def _check_string(s: str, fn: str, argument: str) -> None:
     if "\x00" in s:
         # PostgreSQL text cannot hold NUL; jsonb refuses \u0000 with 22P05.
-        raise InvalidArgument(fn, argument, "22P05",
+        raise invalid_argument(fn, argument, "22P05",
                               "contains U+0000, which PostgreSQL text cannot hold")
     try:
         s.encode("utf-8")
     except UnicodeEncodeError:
-        raise InvalidArgument(fn, argument, "22P02",
+        raise invalid_argument(fn, argument, "22P02",
                               "contains an unpaired surrogate (not valid Unicode)") from None
 
 
@@ -191,18 +184,18 @@ def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
     """trim_scale(value::numeric)::text."""
     if isinstance(value, float):
         if not math.isfinite(value):
-            raise InvalidArgument(fn, argument, "22P02", f"contains {value!r}, not a JSON number")
+            raise invalid_argument(fn, argument, "22P02", f"contains {value!r}, not a JSON number")
         value = Decimal(repr(value))
     elif isinstance(value, int):
         value = Decimal(value)
     if not value.is_finite():
-        raise InvalidArgument(fn, argument, "22P02", f"contains {value}, not a JSON number")
+        raise invalid_argument(fn, argument, "22P02", f"contains {value}, not a JSON number")
     if value.is_zero():
         return "0"  # numeric has no negative zero, and 0.000 trims to 0
     exponent = value.as_tuple().exponent
     assert isinstance(exponent, int)
     if -exponent > _NUMERIC_MAX_DSCALE or value.adjusted() >= _NUMERIC_MAX_INT_DIGITS:
-        raise InvalidArgument(fn, argument, "22003",
+        raise invalid_argument(fn, argument, "22003",
                               "contains a number outside PostgreSQL numeric's range "
                               "(131072 digits before the point, 16383 after)")
     text = format(value, "f")
@@ -230,7 +223,7 @@ def _canonical(value: Any, fn: str, argument: str) -> str:
     if isinstance(value, Mapping):
         for k in value:
             if not isinstance(k, str):
-                raise InvalidArgument(fn, argument, "22P02",
+                raise invalid_argument(fn, argument, "22P02",
                                       f"has an object key {k!r} that is not a string")
         return "{" + ",".join(
             _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument)
@@ -238,5 +231,5 @@ def _canonical(value: Any, fn: str, argument: str) -> str:
         ) + "}"
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_canonical(v, fn, argument) for v in value) + "]"
-    raise InvalidArgument(fn, argument, "22P02",
+    raise invalid_argument(fn, argument, "22P02",
                           f"contains a {type(value).__name__}, which is not a JSON value")

@@ -1,0 +1,103 @@
+"""The async API (psycopg ``AsyncConnection``): :mod:`pg_idempotency.api` made async, from
+the same generators of :mod:`pg_idempotency.core`.
+
+    async with aio.operation(conn, scope, key, request) as op:
+        if op.replay:
+            return op.replay                     # the stored response
+        conn.execute("INSERT INTO ledger ...")   # the business write
+        await op.complete(201, {"id": 7})        # commits it together with the response
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from datetime import datetime, timedelta
+from types import TracebackType
+from typing import Any
+
+import psycopg
+
+from . import core
+from .core import DEFAULT_LEASE, OperationCore, StoredResponse
+
+__all__ = ["Operation", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
+           "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
+
+claim = core._async(core.claim)
+takeover = core._async(core.takeover)
+checkpoint = core._async(core.checkpoint)
+heartbeat = core._async(core.heartbeat)
+complete = core._async(core.complete)
+release = core._async(core.release)
+list_abandoned = core._async(core.list_abandoned)
+inbox_accept = core._async(core.inbox_accept)
+
+
+class Operation:
+    """One idempotent operation on ``conn``; made by :func:`operation`. See
+    :class:`pg_idempotency.core.OperationCore` for the transaction rules."""
+
+    def __init__(self, core_: OperationCore, conn: psycopg.AsyncConnection[Any]) -> None:
+        self._core = core_
+        #: The caller's connection: do the business writes on it, inside the block.
+        self.conn = conn
+
+    async def __aenter__(self) -> Operation:
+        await core._arun(self.conn, self._core.g_enter())
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> None:
+        await core._arun(self.conn, self._core.g_exit(exc))
+
+    async def checkpoint(self, recovery_point: str, *,
+                         extend: timedelta | float | None = None) -> datetime:
+        """Record ``recovery_point`` and commit it with the writes made so far."""
+        return await core._arun(self.conn, self._core.g_checkpoint(recovery_point, extend))
+
+    async def complete(self, status: int, body: Any = None, *,
+                       headers: Mapping[str, str] | None = None,
+                       content_type: str | None = None) -> StoredResponse:
+        """Store the response and commit it with the business writes."""
+        return await core._arun(self.conn,
+                                self._core.g_complete(status, body, headers, content_type))
+
+    def __getattr__(self, name: str) -> Any:
+        # scope, key, outcome, replay, response, recovery_point, attempts, lease_token,
+        # claim_result, derive_key(), mark_side_effect()
+        return getattr(self._core, name)
+
+
+def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,
+              request: Any = None, *, lease: timedelta | float = DEFAULT_LEASE,
+              fingerprint: bytes | None = None, reference_time: datetime | None = None
+              ) -> Operation:
+    """``async with operation(conn, scope, key, request) as op:`` claims the key (committed
+    on its own), then runs the block in a transaction on ``conn``. Raises
+    :class:`~pg_idempotency.errors.KeyMismatch` (422) or
+    :class:`~pg_idempotency.errors.KeyInProgress` (409) on entry; ``op.replay`` is the stored
+    response when the key was completed before. ``conn`` must be idle (no open transaction)."""
+    return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
+                                   reference_time=reference_time), conn)
+
+
+def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200
+               ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Make ``async fn(conn, *args, **kwargs)`` idempotent: call it as
+    ``await fn(conn, scope, key, *args, **kwargs)``. Its return value (a JSON value) is
+    stored with ``status`` in the transaction of its writes; a retry with the same arguments
+    returns the stored value without running it. A parameter named ``op`` receives the
+    :class:`Operation`."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        run = core.idempotent_wrapper(fn, lease=lease, status=status, driver=core._arun,
+                                      make_op=lambda c, conn: Operation(c, conn))
+
+        @functools.wraps(run)
+        async def call(*args: Any, **kwargs: Any) -> Any:  # a coroutine function, as fn was
+            return await run(*args, **kwargs)
+
+        return call
+
+    return decorate

@@ -1,0 +1,317 @@
+"""ASGI middleware for Starlette and FastAPI, after the IETF Idempotency-Key header draft.
+
+    pool = AsyncConnectionPool(dsn, open=False)
+    app.add_middleware(IdempotencyMiddleware, pool=pool, scope=caller_id,
+                       routes={"POST /payments": Policy.REQUIRED}, wait=5)
+
+    @app.post("/payments")
+    async def pay(request: Request):
+        op = get_operation(request)              # None when no key was sent (optional route)
+        await op.conn.execute("INSERT INTO ledger ...")
+        return JSONResponse({...}, status_code=201)   # stored with the insert, in one commit
+
+For a request with an ``Idempotency-Key`` the middleware claims the key on a pooled connection,
+then calls the handler with that connection in an open transaction (``get_operation(request)``
+gives the :class:`pg_idempotency.aio.Operation`, ``op.conn`` the connection). When the handler
+answers, the response (status, exact body bytes, content type, and the headers named in
+``replay_headers``) is stored with ``complete()`` in the same transaction as the handler's
+writes, committed, and only then sent. Answers of its own:
+
+- 400 ``application/problem+json``: the route requires a key and none was sent, or the key is
+  not a valid name (empty, over 255 characters, control characters);
+- 401 when the ``scope`` callback cannot identify the caller (returns None);
+- 409 with ``Retry-After`` while another attempt holds the key (after waiting up to ``wait``
+  seconds for it to finish, in which case the result is replayed instead);
+- 422 ``application/problem+json``: the key was used with a different request;
+- a replay: the stored status, body and content type, the stored headers, and
+  ``Idempotent-Replayed: true``.
+
+The fingerprint covers the method, the path, the query string and the body (a JSON body by
+its canonical form, so re-serialising it does not matter; any other body by its bytes). The
+scope (whose keys these are) comes from the ``scope`` callback, from the authenticated caller,
+never from the client's say-so alone.
+
+A handler that raises, or answers 5xx, is rolled back; the key is released for a fresh retry
+unless a side effect may have happened (a checkpoint was committed or a downstream key derived:
+then the key stays in progress and the next retry after the lease resumes). Responses are
+buffered whole before they are stored: do not use this on streaming endpoints.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+import anyio
+from psycopg_pool import AsyncConnectionPool
+from starlette.requests import Request
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import aio
+from .core import DEFAULT_LEASE, StoredResponse
+from .errors import (
+    AlreadyCompleted,
+    InvalidArgument,
+    KeyInProgress,
+    KeyMismatch,
+    KeyNotFound,
+    LeaseLost,
+)
+from .fingerprint import _check_name, fingerprint, loads
+
+__all__ = ["IdempotencyMiddleware", "Policy", "get_operation"]
+
+#: Headers that describe the operation's result, stored and replayed by default. Per-request
+#: headers (dates, trace ids, rate-limit counters, cookies) are not.
+DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
+STATE_KEY = "idempotency"
+
+
+class Policy(str, Enum):
+    """Per-route use of the Idempotency-Key header."""
+
+    REQUIRED = "required"  #: 400 without the header
+    OPTIONAL = "optional"  #: idempotent when the header is sent, passed through otherwise
+    IGNORED = "ignored"  #: never looked at
+
+
+class _HandlerFailed(Exception):
+    """The handler answered 5xx: treated like an exception (rolled back)."""
+
+
+def get_operation(request: Request) -> aio.Operation | None:
+    """The operation the middleware opened for this request (None without a key). Its
+    ``conn`` is the connection whose open transaction commits with the stored response."""
+    return getattr(request.state, STATE_KEY, None)
+
+
+class IdempotencyMiddleware:
+    """Pure ASGI middleware; see the module documentation.
+
+    - ``pool``: an ``AsyncConnectionPool``; each keyed request holds one connection until its
+      response is committed.
+    - ``scope``: ``callback(request) -> str | None`` (may be async), the caller's identity.
+    - ``routes``: ``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": ...}``
+      (``{name}`` matches one path segment); unlisted POST and PATCH routes are
+      ``default_policy`` (OPTIONAL), other methods are ignored.
+    - ``wait``: seconds to wait for an attempt in progress to finish (then replay) before
+      answering 409; 0 answers at once.
+    - ``lease``: how long a handler may run before a retry may take the key over.
+    """
+
+    def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
+                 scope: Callable[[Request], str | None | Awaitable[str | None]],
+                 routes: Mapping[str, Policy] | None = None,
+                 default_policy: Policy = Policy.OPTIONAL,
+                 wait: float = 0.0, lease: timedelta | float = DEFAULT_LEASE,
+                 replay_headers: Iterable[str] = DEFAULT_REPLAY_HEADERS,
+                 header_name: str = "Idempotency-Key") -> None:
+        self.app = app
+        self.pool = pool
+        self.scope_of = scope
+        self.default_policy = default_policy
+        self.wait = wait
+        self.lease = lease
+        self.replay_headers = {h.lower() for h in replay_headers}
+        self.header = header_name.lower().encode("latin-1")
+        self.header_name = header_name
+        self._routes = [(_route_regex(pattern), policy)
+                        for pattern, policy in (routes or {}).items()]
+
+    def policy(self, method: str, path: str) -> Policy:
+        for regex, policy in self._routes:
+            if regex.fullmatch(f"{method} {path}"):
+                return policy
+        return self.default_policy if method in ("POST", "PATCH") else Policy.IGNORED
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        policy = self.policy(scope["method"], scope["path"])
+        raw_key = dict(scope["headers"]).get(self.header) if policy != Policy.IGNORED else None
+        if raw_key is None:
+            if policy == Policy.REQUIRED:
+                await _problem(send, 400, f"{self.header_name} header required",
+                               f"{scope['method']} {scope['path']} requires an "
+                               f"{self.header_name} header.")
+                return
+            await self.app(scope, receive, send)
+            return
+        key = raw_key.decode("latin-1").strip()
+        if len(key) >= 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
+            key = key[1:-1]
+        try:
+            _check_name(self.header_name, "key", key)
+        except InvalidArgument as exc:
+            await _problem(send, 400, f"Invalid {self.header_name}", str(exc))
+            return
+        caller = self.scope_of(Request(scope))
+        if inspect.isawaitable(caller):
+            caller = await caller
+        if not caller:
+            await _problem(send, 401, "Unknown caller",
+                           "Idempotency keys belong to an identified caller.")
+            return
+
+        body = await _read_body(receive)
+        digest = fingerprint(_describe(scope, body))
+        deadline = time.monotonic() + self.wait
+        pause = 0.02
+        while True:
+            async with self.pool.connection() as conn:
+                op = aio.operation(conn, caller, key, None, fingerprint=digest, lease=self.lease)
+                try:
+                    await op.__aenter__()
+                except KeyMismatch:
+                    await _problem(send, 422, f"{self.header_name} reused",
+                                   f"This {self.header_name} was used with a different "
+                                   "request. Use a new key for a new request.")
+                    return
+                except KeyInProgress as exc:
+                    retry_after = exc.retry_after
+                else:
+                    if op.replay is not None:
+                        await _send_replay(send, op.replay)
+                    else:
+                        await self._execute(op, scope, receive, send, body)
+                    return
+            left = deadline - time.monotonic()
+            if left <= 0:
+                seconds = retry_after.total_seconds() if retry_after else 1
+                await _problem(send, 409, "Request in progress",
+                               "A request with this key is being processed. Retry later.",
+                               [(b"retry-after", str(max(1, math.ceil(seconds))).encode())])
+                return
+            await anyio.sleep(min(pause, left))
+            pause = min(pause * 2, 0.25)
+
+    async def _execute(self, op: aio.Operation, scope: Scope, receive: Receive, send: Send,
+                       body: bytes) -> None:
+        state = dict(scope.get("state") or {})
+        state[STATE_KEY] = op
+        inner = dict(scope, state=state)
+        sent_body = False
+
+        async def receive_again() -> Message:
+            nonlocal sent_body
+            if not sent_body:
+                sent_body = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        start: Message | None = None
+        chunks: list[bytes] = []
+
+        async def capture(message: Message) -> None:
+            nonlocal start
+            if message["type"] == "http.response.start":
+                start = message
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+
+        try:
+            await self.app(inner, receive_again, capture)
+            if start is None:
+                raise RuntimeError("the application sent no response")
+            if start["status"] >= 500:
+                raise _HandlerFailed(start["status"])
+        except BaseException as exc:
+            await op.__aexit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, _HandlerFailed) and start is not None:
+                await _send(send, start["status"], start.get("headers", []), b"".join(chunks))
+                return
+            raise
+        content = b"".join(chunks)
+        headers = [(bytes(k), bytes(v)) for k, v in start.get("headers", [])]
+        stored: dict[str, str] = {}
+        content_type = "application/octet-stream"
+        for name, value in headers:
+            lname = name.decode("latin-1").lower()
+            if lname == "content-type":
+                content_type = value.decode("latin-1")
+            elif lname in self.replay_headers:
+                stored[name.decode("latin-1")] = value.decode("latin-1")
+        try:
+            await op.complete(start["status"], content, headers=stored,
+                              content_type=content_type)
+        except (LeaseLost, AlreadyCompleted, KeyNotFound) as exc:
+            # Taken over while we ran: our writes rolled back; the new holder's answer wins.
+            await op.__aexit__(type(exc), exc, exc.__traceback__)
+            await _problem(send, 409, "Request in progress",
+                           "The lease on this key expired and another attempt took it over.",
+                           [(b"retry-after", b"1")])
+            return
+        await _send(send, start["status"], headers, content)
+
+
+def _route_regex(pattern: str) -> re.Pattern[str]:
+    method, _, path = pattern.strip().partition(" ")
+    parts = re.split(r"(\{[^/{}]+\})", path.strip())
+    body = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+    return re.compile(f"{re.escape(method.upper())} {body}")
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body", False):
+            break
+    return b"".join(chunks)
+
+
+def _describe(scope: Scope, body: bytes) -> dict[str, Any]:
+    """What the fingerprint covers: method, path, query string and body."""
+    request: dict[str, Any] = {
+        "method": scope["method"],
+        "path": scope["path"],
+        "query": scope.get("query_string", b"").decode("latin-1"),
+    }
+    content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
+    if body and "json" in content_type:
+        try:
+            request["json"] = loads(body)
+            return request
+        except (ValueError, UnicodeDecodeError):
+            pass
+    request["body_sha256"] = hashlib.sha256(body).hexdigest()
+    return request
+
+
+async def _send(send: Send, status: int, headers: Iterable[tuple[bytes, bytes]],
+                content: bytes) -> None:
+    await send({"type": "http.response.start", "status": status, "headers": list(headers)})
+    await send({"type": "http.response.body", "body": content, "more_body": False})
+
+
+async def _send_replay(send: Send, stored: StoredResponse) -> None:
+    content = stored.content
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
+               for k, v in stored.headers.items()]
+    if stored.content_type:
+        headers.append((b"content-type", stored.content_type.encode("latin-1")))
+    headers += [(b"content-length", str(len(content)).encode()),
+                (b"idempotent-replayed", b"true")]
+    await _send(send, stored.status, headers, content)
+
+
+async def _problem(send: Send, status: int, title: str, detail: str,
+                   extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """An RFC 9457 problem details answer."""
+    content = json.dumps({"type": "about:blank", "title": title, "status": status,
+                          "detail": detail}).encode()
+    headers = [(b"content-type", b"application/problem+json"),
+               (b"content-length", str(len(content)).encode()), *(extra or [])]
+    await _send(send, status, headers, content)

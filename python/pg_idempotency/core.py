@@ -1,0 +1,544 @@
+"""The Python API, written once for psycopg's sync and async connections.
+
+Every operation here is a generator that yields what it needs from the database (a query, a
+commit, a rollback, a call of the caller's function) and receives the answer. A sync driver
+(:func:`_run`) and an async one (:func:`_arun`) execute those requests on the caller's
+connection; :mod:`pg_idempotency` and :mod:`pg_idempotency.aio` expose the two flavours. So the
+logic (which statement, which transaction boundary, what to do on an error) exists once, and
+the two APIs cannot drift apart.
+
+Nothing here opens a connection: every call takes the caller's, so ``complete()`` joins the
+caller's business transaction. Connections from ``psycopg_pool`` work as any other.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+from collections.abc import Awaitable, Callable, Generator, Mapping
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from enum import Enum
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+import psycopg
+from psycopg.pq import TransactionStatus
+from psycopg.rows import dict_row
+from psycopg.types.json import Jsonb
+
+from . import queries as Q
+from .errors import (
+    AlreadyCompleted,
+    KeyInProgress,
+    KeyMismatch,
+    KeyNotFound,
+    LeaseLost,
+    UsageError,
+    from_psycopg,
+)
+from .fingerprint import canonical_json, derive_key
+
+P = ParamSpec("P")
+T = TypeVar("T")
+
+#: The engine's default lease (claim's ``lease DEFAULT '30 seconds'``).
+DEFAULT_LEASE = timedelta(seconds=30)
+
+
+# -- results ---------------------------------------------------------------------------------
+
+class Outcome(str, Enum):
+    """What :func:`claim` found (docs/sql-api.md, "Outcomes")."""
+
+    CLAIMED = "claimed"  #: new key: you own it
+    RESUMED = "resumed"  #: the previous lease expired: you own it, reconcile from recovery_point
+    REPLAY = "replay"  #: completed before with the same request: return the stored response
+    IN_PROGRESS = "in_progress"  #: someone holds a live lease: 409, retry after retry_after
+    MISMATCH = "mismatch"  #: the key was used with another request: 422
+
+    @property
+    def owned(self) -> bool:
+        """True when the caller now holds the lease (claimed or resumed)."""
+        return self in (Outcome.CLAIMED, Outcome.RESUMED)
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A completed key's response, as :func:`complete` stored it."""
+
+    status: int
+    headers: dict[str, str] = field(default_factory=dict)
+    #: The JSON body (a Python value) when it was stored as JSON, else None.
+    body: Any = None
+    #: The exact bytes when it was stored with ``complete(..., body=b"...")``, else None.
+    body_bytes: bytes | None = None
+    content_type: str | None = None
+    completed_at: datetime | None = None
+
+    @property
+    def content(self) -> bytes:
+        """The body as bytes: the stored bytes, or the JSON body serialized (``b""`` if none)."""
+        if self.body_bytes is not None:
+            return self.body_bytes
+        if self.body is None:
+            return b""
+        return json.dumps(self.body, separators=(",", ":"), ensure_ascii=False).encode()
+
+    def json(self) -> Any:
+        """The body as a JSON value (bytes bodies are parsed)."""
+        if self.body_bytes is not None:
+            return json.loads(self.body_bytes)
+        return self.body
+
+
+@dataclass(frozen=True)
+class ClaimResult:
+    """One row of ``idempotency.claim_result``; ``response`` is set for a replay."""
+
+    outcome: Outcome
+    lease_token: int | None
+    lease_expires_at: datetime | None
+    recovery_point: str | None
+    attempts: int | None
+    retry_after: timedelta | None
+    created_at: datetime | None
+    response: StoredResponse | None
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> ClaimResult:
+        outcome = Outcome(row["outcome"])
+        response = None
+        if outcome is Outcome.REPLAY:
+            body_bytes = row["response_body_bytes"]
+            response = StoredResponse(
+                status=row["response_status"],
+                headers=dict(row["response_headers"] or {}),
+                body=row["response_body"],
+                body_bytes=bytes(body_bytes) if body_bytes is not None else None,
+                content_type=row["response_content_type"],
+                completed_at=row["completed_at"],
+            )
+        return cls(outcome, row["lease_token"], row["lease_expires_at"], row["recovery_point"],
+                   row["attempts"], row["retry_after"], row["created_at"], response)
+
+
+@dataclass(frozen=True)
+class AbandonedKey:
+    """One row of ``idempotency.list_abandoned``."""
+
+    scope: str
+    key: str
+    lease_expires_at: datetime
+    recovery_point: str | None
+    attempts: int
+    created_at: datetime
+
+
+# -- what the generators ask the drivers for -------------------------------------------------
+
+@dataclass(frozen=True)
+class _Query:
+    sql: str
+    params: Mapping[str, Any]
+    fetch: str = "one"  # "one" (a dict row or None) or "all" (a list of dict rows)
+
+
+@dataclass(frozen=True)
+class _Call:
+    """Call the user's function; the async driver awaits what it returns if awaitable."""
+
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: Mapping[str, Any]
+
+
+class _Tx(Enum):
+    STATE = "state"  # -> (TransactionStatus, autocommit)
+    BEGIN = "begin"  # open a transaction now (explicit BEGIN on an autocommit connection)
+    COMMIT = "commit"
+    ROLLBACK = "rollback"
+
+
+_Request = _Query | _Call | _Tx
+_Gen = Generator[_Request, Any, T]
+
+
+def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
+    """Drive ``gen`` on a sync connection. Engine errors are thrown into the generator (so it
+    can clean up) as the classes of :mod:`pg_idempotency.errors`."""
+    send: Callable[[Any], _Request] = gen.send
+    value: Any = None
+    while True:
+        try:
+            request = send(value)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            if isinstance(request, _Query):
+                with conn.cursor(row_factory=dict_row) as cur:
+                    cur.execute(request.sql, request.params)  # type: ignore[arg-type]
+                    value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
+            elif isinstance(request, _Call):
+                value = request.fn(*request.args, **request.kwargs)
+            elif request is _Tx.STATE:
+                value = (conn.info.transaction_status, conn.autocommit)
+            elif request is _Tx.BEGIN:
+                if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+                    conn.execute(Q.BEGIN)
+                value = None
+            elif request is _Tx.COMMIT:
+                value = conn.commit()
+            else:
+                value = conn.rollback()
+            send = gen.send
+        except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
+            value, send = _translate(exc), gen.throw
+
+
+async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
+    """:func:`_run` for an async connection."""
+    send: Callable[[Any], _Request] = gen.send
+    value: Any = None
+    while True:
+        try:
+            request = send(value)
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        try:
+            if isinstance(request, _Query):
+                async with conn.cursor(row_factory=dict_row) as cur:
+                    await cur.execute(request.sql, request.params)  # type: ignore[arg-type]
+                    value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
+            elif isinstance(request, _Call):
+                value = request.fn(*request.args, **request.kwargs)
+                if inspect.isawaitable(value):
+                    value = await value
+            elif request is _Tx.STATE:
+                value = (conn.info.transaction_status, conn.autocommit)
+            elif request is _Tx.BEGIN:
+                if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+                    await conn.execute(Q.BEGIN)
+                value = None
+            elif request is _Tx.COMMIT:
+                value = await conn.commit()
+            else:
+                value = await conn.rollback()
+            send = gen.send
+        except Exception as exc:  # noqa: BLE001
+            value, send = _translate(exc), gen.throw
+
+
+def _translate(exc: Exception) -> Exception:
+    if isinstance(exc, psycopg.Error):
+        mapped = from_psycopg(exc)
+        if mapped is not exc:
+            mapped.__cause__ = exc
+        return mapped
+    return exc
+
+
+def _sync(op: Callable[P, _Gen[T]]) -> Callable[Concatenate[psycopg.Connection[Any], P], T]:
+    @functools.wraps(op)
+    def call(conn: psycopg.Connection[Any], /, *args: P.args, **kwargs: P.kwargs) -> T:
+        return _run(conn, op(*args, **kwargs))
+
+    return call
+
+
+def _async(op: Callable[P, _Gen[T]]
+           ) -> Callable[Concatenate[psycopg.AsyncConnection[Any], P], Awaitable[T]]:
+    @functools.wraps(op)
+    async def call(conn: psycopg.AsyncConnection[Any], /, *args: P.args,
+                   **kwargs: P.kwargs) -> T:
+        return await _arun(conn, op(*args, **kwargs))
+
+    return call
+
+
+# -- the functions of the SQL API, one generator each ----------------------------------------
+
+def _interval(value: timedelta | float | None) -> timedelta | None:
+    if value is None or isinstance(value, timedelta):
+        return value
+    return timedelta(seconds=value)
+
+
+def _jsonb(value: Any) -> Jsonb:
+    # canonical_json keeps Decimal values exact and refuses what jsonb would refuse.
+    return Jsonb(value, dumps=canonical_json)
+
+
+def claim(scope: str, key: str, request: Any = None, *,
+          lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
+          strict: bool = False, reference_time: datetime | None = None) -> _Gen[ClaimResult]:
+    """``idempotency.claim``. Pass the request as a JSON value, or ``request=None`` and your own
+    32-byte ``fingerprint``. Run it in its own transaction (an autocommit connection, or commit
+    right after): other retries must see the claim at once."""
+    row = yield _Query(Q.CLAIM, {
+        "scope": scope, "key": key,
+        "request": _jsonb(request) if request is not None else None,
+        "lease": _interval(lease), "fingerprint": fingerprint, "strict": strict,
+        "reference_time": reference_time,
+    })
+    return ClaimResult.from_row(row)
+
+
+def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
+             reference_time: datetime | None = None) -> _Gen[ClaimResult]:
+    """``idempotency.takeover``: take over an abandoned key (for background completers)."""
+    row = yield _Query(Q.TAKEOVER, {"scope": scope, "key": key, "lease": _interval(lease),
+                                    "reference_time": reference_time})
+    return ClaimResult.from_row(row)
+
+
+def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
+               extend: timedelta | float | None = None,
+               reference_time: datetime | None = None) -> _Gen[datetime]:
+    """``idempotency.checkpoint`` in the caller's transaction; returns the lease expiry."""
+    row = yield _Query(Q.CHECKPOINT, {
+        "scope": scope, "key": key, "lease_token": lease_token,
+        "recovery_point": recovery_point, "extend": _interval(extend),
+        "reference_time": reference_time,
+    })
+    return row["lease_expires_at"]  # type: ignore[no-any-return]
+
+
+def heartbeat(scope: str, key: str, lease_token: int, *,
+              lease: timedelta | float = DEFAULT_LEASE,
+              reference_time: datetime | None = None) -> _Gen[datetime]:
+    """``idempotency.heartbeat``; returns the new lease expiry."""
+    row = yield _Query(Q.HEARTBEAT, {"scope": scope, "key": key, "lease_token": lease_token,
+                                     "lease": _interval(lease),
+                                     "reference_time": reference_time})
+    return row["lease_expires_at"]  # type: ignore[no-any-return]
+
+
+def complete(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
+             headers: Mapping[str, str] | None = None, content_type: str | None = None,
+             reference_time: datetime | None = None) -> _Gen[datetime]:
+    """``idempotency.complete`` (a JSON body, or None) or, when ``body`` is bytes,
+    ``idempotency.complete_bytes`` with ``content_type`` (default
+    ``application/octet-stream``). Call it in the business transaction; returns completed_at.
+    Raises :class:`~pg_idempotency.errors.LeaseLost` when the key was taken over: roll back."""
+    params: dict[str, Any] = {
+        "scope": scope, "key": key, "lease_token": lease_token, "status": status,
+        "headers": _jsonb(dict(headers or {})), "reference_time": reference_time,
+    }
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        params.update(body=bytes(body), content_type=content_type or "application/octet-stream")
+        row = yield _Query(Q.COMPLETE_BYTES, params)
+    else:
+        if content_type is not None:
+            raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
+                             "application/json")
+        params["body"] = _jsonb(body) if body is not None else None
+        row = yield _Query(Q.COMPLETE, params)
+    return row["completed_at"]  # type: ignore[no-any-return]
+
+
+def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
+    """``idempotency.release``: for a failure before any side effect; the key is deleted."""
+    yield _Query(Q.RELEASE, {"scope": scope, "key": key, "lease_token": lease_token})
+
+
+def list_abandoned(max_keys: int = 100, *, scope: str | None = None,
+                   reference_time: datetime | None = None) -> _Gen[list[AbandonedKey]]:
+    """``idempotency.list_abandoned``: the rows stay locked until the caller's transaction
+    ends, so run it in a transaction together with the takeovers."""
+    rows = yield _Query(Q.LIST_ABANDONED, {"max_keys": max_keys, "scope": scope,
+                                           "reference_time": reference_time}, fetch="all")
+    return [AbandonedKey(**row) for row in rows]
+
+
+def inbox_accept(consumer: str, message_id: str, *,
+                 reference_time: datetime | None = None) -> _Gen[bool]:
+    """``idempotency.inbox_accept``: True the first time, False for a redelivery. Call it in
+    the transaction that applies the message's effects."""
+    row = yield _Query(Q.INBOX_ACCEPT, {"consumer": consumer, "message_id": message_id,
+                                        "reference_time": reference_time})
+    return bool(row["accepted"])
+
+
+# -- the guided flow -------------------------------------------------------------------------
+
+class OperationCore:
+    """The state and logic of one ``operation()`` block, shared by the sync
+    :class:`pg_idempotency.Operation` and the async :class:`pg_idempotency.aio.Operation`.
+
+    Transactions: ``claim`` commits on its own; then a business transaction is open on the
+    connection until ``complete()`` commits it (with the response) or the block ends.
+    ``checkpoint()`` commits the writes made so far together with the recovery point and opens
+    the next transaction.
+
+    When the block raises: the open transaction rolls back. If no side effect can have
+    happened (the key was freshly claimed, no checkpoint was committed, no downstream key was
+    derived) the key is released so that a retry runs afresh; otherwise it stays in progress,
+    its lease expires, and the next retry gets ``resumed`` with the last recovery point.
+    """
+
+    def __init__(self, scope: str, key: str, request: Any = None, *,
+                 lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
+                 reference_time: datetime | None = None) -> None:
+        self.scope = scope
+        self.key = key
+        self._request = request
+        self._lease = lease
+        self._fingerprint = fingerprint
+        self._reference_time = reference_time
+        self.claim_result: ClaimResult | None = None
+        #: The stored response when the key was completed before (outcome replay), else None.
+        self.replay: StoredResponse | None = None
+        #: The response this block stored with complete(), else None.
+        self.response: StoredResponse | None = None
+        self.recovery_point: str | None = None
+        self._token: int | None = None
+        self._done = False
+        self._side_effects = False
+
+    # -- read-only views
+    @property
+    def outcome(self) -> Outcome | None:
+        return self.claim_result.outcome if self.claim_result else None
+
+    @property
+    def lease_token(self) -> int | None:
+        return self._token
+
+    @property
+    def attempts(self) -> int | None:
+        return self.claim_result.attempts if self.claim_result else None
+
+    def derive_key(self, step: str) -> str:
+        """The idempotency key for a downstream call made as ``step`` of this operation
+        (``idempotency.derive_key``). From here on a failure counts as ambiguous: the key is
+        no longer released on an exception, so the next retry resumes instead."""
+        self._side_effects = True
+        return derive_key(self.scope, self.key, step)
+
+    def mark_side_effect(self) -> None:
+        """Say that a side effect may have happened (e.g. a downstream call without a derived
+        key): from here on an exception leaves the key in progress instead of releasing it."""
+        self._side_effects = True
+
+    # -- the steps, as generators
+    def g_enter(self) -> _Gen[None]:
+        status, _autocommit = yield _Tx.STATE
+        if status != TransactionStatus.IDLE:
+            raise UsageError(
+                f"operation() needs an idle connection, this one is {status.name}: claim must "
+                "commit on its own so that concurrent retries see it (commit or roll back first)")
+        result = yield from claim(self.scope, self.key, self._request, lease=self._lease,
+                                  fingerprint=self._fingerprint,
+                                  reference_time=self._reference_time)
+        yield _Tx.COMMIT
+        self.claim_result = result
+        self.recovery_point = result.recovery_point
+        if result.outcome is Outcome.MISMATCH:
+            raise KeyMismatch(f"key {self.key!r} in scope {self.scope!r} was used with a "
+                              "different request")
+        if result.outcome is Outcome.IN_PROGRESS:
+            raise KeyInProgress(f"key {self.key!r} in scope {self.scope!r} is in progress",
+                                retry_after=result.retry_after,
+                                recovery_point=result.recovery_point)
+        if result.outcome is Outcome.REPLAY:
+            self.replay = result.response
+            return
+        self._token = result.lease_token
+        # A resumed key's earlier attempt may have called downstream: never release it.
+        self._side_effects = result.outcome is Outcome.RESUMED
+        yield _Tx.BEGIN
+
+    def _owner_token(self, what: str) -> int:
+        if self.replay is not None:
+            raise UsageError(f"{what}: the key was completed before (outcome replay); return "
+                             "op.replay instead of executing again")
+        if self._done:
+            raise UsageError(f"{what}: the operation is already completed")
+        if self._token is None:
+            raise UsageError(f"{what}: the operation was not entered")
+        return self._token
+
+    def g_checkpoint(self, recovery_point: str, extend: timedelta | float | None = None
+                     ) -> _Gen[datetime]:
+        token = self._owner_token("checkpoint()")
+        expires = yield from checkpoint(self.scope, self.key, token, recovery_point,
+                                        extend=extend, reference_time=self._reference_time)
+        yield _Tx.COMMIT
+        self._side_effects = True
+        self.recovery_point = recovery_point
+        yield _Tx.BEGIN
+        return expires
+
+    def g_complete(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
+                   content_type: str | None = None) -> _Gen[StoredResponse]:
+        token = self._owner_token("complete()")
+        completed_at = yield from complete(self.scope, self.key, token, status, body,
+                                           headers=headers, content_type=content_type,
+                                           reference_time=self._reference_time)
+        yield _Tx.COMMIT
+        self._done = True
+        is_bytes = isinstance(body, (bytes, bytearray, memoryview))
+        self.response = StoredResponse(
+            status=status, headers=dict(headers or {}),
+            body=None if is_bytes else body, body_bytes=bytes(body) if is_bytes else None,
+            content_type=(content_type or "application/octet-stream") if is_bytes
+            else ("application/json" if body is not None else None),
+            completed_at=completed_at)
+        return self.response
+
+    def g_exit(self, exc: BaseException | None) -> _Gen[None]:
+        if self._token is None or self._done:
+            return  # replay, or never entered, or completed
+        owned_key_is_gone = isinstance(exc, (LeaseLost, AlreadyCompleted, KeyNotFound))
+        release_it = not self._side_effects and not owned_key_is_gone
+        try:
+            yield _Tx.ROLLBACK
+            if release_it:
+                yield from release(self.scope, self.key, self._token)
+                yield _Tx.COMMIT
+        except (psycopg.Error, LeaseLost, AlreadyCompleted, KeyNotFound):
+            if exc is None:
+                raise
+            # Cleaning up after an error: the original error is the one to report. An
+            # unreleased key only costs the caller a wait for the lease to expire.
+        finally:
+            self._done = True
+        if exc is None:
+            raise UsageError("the operation block ended without op.complete(): the business "
+                             "transaction was rolled back"
+                             + (" and the key released" if release_it else ""))
+
+    def g_run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
+              status: int) -> _Gen[Any]:
+        """The whole flow around one function call (for :func:`idempotent`)."""
+        yield from self.g_enter()
+        if self.replay is not None:
+            return self.replay.json()
+        try:
+            value = yield _Call(fn, args, kwargs)
+            yield from self.g_complete(status, value)
+        except BaseException as exc:
+            yield from self.g_exit(exc)
+            raise
+        return value
+
+
+def idempotent_wrapper(fn: Callable[..., Any], *, lease: timedelta | float, status: int,
+                       driver: Callable[[Any, _Gen[Any]], Any],
+                       make_op: Callable[[OperationCore, Any], Any]) -> Callable[..., Any]:
+    """The body of ``@idempotent``: ``fn(conn, *args, **kwargs)`` becomes
+    ``wrapper(conn, scope, key, *args, **kwargs)``. The request fingerprinted is the
+    function's qualified name with its arguments (which must be JSON values). If ``fn`` takes
+    a parameter named ``op`` it receives the operation (for checkpoint() and derive_key())."""
+    wants_op = "op" in inspect.signature(fn).parameters
+    name = f"{fn.__module__}.{fn.__qualname__}"
+
+    @functools.wraps(fn)
+    def wrapper(conn: Any, scope: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        request = {"function": name, "args": list(args), "kwargs": kwargs}
+        core = OperationCore(scope, key, request, lease=lease)
+        call_kwargs = dict(kwargs, op=make_op(core, conn)) if wants_op else kwargs
+        return driver(conn, core.g_run(fn, (conn, *args), call_kwargs, status))
+
+    return wrapper

@@ -1,0 +1,184 @@
+"""Exceptions: one class per SQLSTATE of docs/errors.md, under :class:`IdempotencyError`.
+
+The engine raises errors of class ``IK``; :func:`from_psycopg` turns such a
+:class:`psycopg.Error` into the matching class here (the original stays as ``__cause__`` and
+``pgerror``). Errors PostgreSQL raises itself (42501, 40001, ...) are not translated: they reach
+the caller as psycopg raised them.
+
+    IdempotencyError
+    ├── LeaseLost                 IK001
+    ├── KeyMismatch               IK002 (also what operation() raises on outcome mismatch)
+    ├── KeyNotFound               IK003
+    ├── AlreadyCompleted          IK004
+    ├── IsolationNotSupported     IK005
+    ├── InvalidArgument           IK010..IK016, also a ValueError
+    │   ├── ArgumentNull          IK010
+    │   ├── ArgumentEmpty         IK011
+    │   ├── ArgumentTooLong       IK012
+    │   ├── ArgumentInvalidCharacters IK013
+    │   ├── ArgumentOutOfRange    IK014
+    │   ├── ArgumentWrongType     IK015
+    │   └── ArgumentConflict      IK016
+    ├── KeyInProgress             outcome in_progress (no SQLSTATE: claim returns it)
+    └── UsageError                the Python API was used wrongly (no SQLSTATE)
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import psycopg
+
+__all__ = [
+    "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
+    "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
+    "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyInProgress",
+    "KeyMismatch", "KeyNotFound", "LeaseLost", "UsageError", "from_psycopg",
+    "invalid_argument",
+]
+
+
+class IdempotencyError(Exception):
+    """Base class. ``sqlstate`` is the documented code (None for the Python-only ones);
+    ``detail`` and ``hint`` come from the server's error when there was one."""
+
+    sqlstate: str | None = None
+
+    def __init__(self, message: str, *, detail: str | None = None, hint: str | None = None,
+                 pgerror: psycopg.Error | None = None) -> None:
+        super().__init__(message)
+        self.detail = detail
+        self.hint = hint
+        self.pgerror = pgerror
+
+
+class LeaseLost(IdempotencyError):
+    """IK001: the lease token is no longer current; the key was taken over. Roll back."""
+
+    sqlstate = "IK001"
+
+
+class KeyMismatch(IdempotencyError):
+    """IK002: the key was used with a different request. Never execute: answer 422."""
+
+    sqlstate = "IK002"
+
+
+class KeyNotFound(IdempotencyError):
+    """IK003: no such (scope, key): never claimed, released, or past retention."""
+
+    sqlstate = "IK003"
+
+
+class AlreadyCompleted(IdempotencyError):
+    """IK004: the key is completed; a retry replays the stored response."""
+
+    sqlstate = "IK004"
+
+
+class IsolationNotSupported(IdempotencyError):
+    """IK005: claim() or inbox_accept() under REPEATABLE READ or SERIALIZABLE."""
+
+    sqlstate = "IK005"
+
+
+class InvalidArgument(IdempotencyError, ValueError):
+    """IK010..IK016: an argument the engine refuses. ``argument`` names it (the error's COLUMN
+    field), ``function`` is the SQL function. The pure-Python twins in
+    :mod:`pg_idempotency.fingerprint` raise it too, with the SQLSTATE the SQL function would
+    raise (which may be a PostgreSQL one such as 22P05 for input jsonb itself refuses)."""
+
+    def __init__(self, function: str, argument: str | None, sqlstate: str, problem: str,
+                 **kwargs: object) -> None:
+        self.function = function
+        self.argument = argument
+        self.sqlstate = sqlstate
+        if argument is None or problem.startswith(f"{function}:"):
+            message = problem
+        else:
+            message = f'{function}: argument "{argument}" {problem}'
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+
+
+class ArgumentNull(InvalidArgument):
+    """IK010: a required argument is NULL."""
+
+
+class ArgumentEmpty(InvalidArgument):
+    """IK011: an empty scope, key, consumer, message id, step or recovery point."""
+
+
+class ArgumentTooLong(InvalidArgument):
+    """IK012: such a value is longer than 255 characters."""
+
+
+class ArgumentInvalidCharacters(InvalidArgument):
+    """IK013: such a value contains a control character."""
+
+
+class ArgumentOutOfRange(InvalidArgument):
+    """IK014: a lease, status, max_keys or fingerprint length out of range."""
+
+
+class ArgumentWrongType(InvalidArgument):
+    """IK015: JSON of the wrong shape (headers, fingerprint defaults or request)."""
+
+
+class ArgumentConflict(InvalidArgument):
+    """IK016: both request and fingerprint given to claim()."""
+
+
+class KeyInProgress(IdempotencyError):
+    """Another attempt holds a live lease on the key: answer 409 and retry after
+    ``retry_after``. Raised by :func:`pg_idempotency.operation`, not by the engine."""
+
+    def __init__(self, message: str, *, retry_after: timedelta | None,
+                 recovery_point: str | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.recovery_point = recovery_point
+
+
+class UsageError(IdempotencyError):
+    """The Python API was used in a way that cannot be right (e.g. an operation started
+    inside an open transaction, or a block that ended without complete())."""
+
+
+_BY_SQLSTATE: dict[str, type[IdempotencyError]] = {
+    "IK001": LeaseLost,
+    "IK002": KeyMismatch,
+    "IK003": KeyNotFound,
+    "IK004": AlreadyCompleted,
+    "IK005": IsolationNotSupported,
+}
+_INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
+    "IK010": ArgumentNull,
+    "IK011": ArgumentEmpty,
+    "IK012": ArgumentTooLong,
+    "IK013": ArgumentInvalidCharacters,
+    "IK014": ArgumentOutOfRange,
+    "IK015": ArgumentWrongType,
+    "IK016": ArgumentConflict,
+}
+
+
+def invalid_argument(function: str, argument: str | None, sqlstate: str,
+                     problem: str) -> InvalidArgument:
+    """The :class:`InvalidArgument` subclass for ``sqlstate`` (the base class for a code that
+    is not one of IK010..IK016)."""
+    cls = _INVALID_BY_SQLSTATE.get(sqlstate, InvalidArgument)
+    return cls(function, argument, sqlstate, problem)
+
+
+def from_psycopg(exc: psycopg.Error) -> Exception:
+    """The :class:`IdempotencyError` for an engine error, or ``exc`` itself for any other."""
+    state = exc.sqlstate
+    diag = exc.diag
+    message = diag.message_primary or str(exc)
+    extra = {"detail": diag.message_detail, "hint": diag.message_hint, "pgerror": exc}
+    if state in _BY_SQLSTATE:
+        return _BY_SQLSTATE[state](message, **extra)
+    if state in _INVALID_BY_SQLSTATE:
+        function = message.split(":", 1)[0] if ":" in message else ""
+        return _INVALID_BY_SQLSTATE[state](function, diag.column_name, state, message, **extra)
+    return exc

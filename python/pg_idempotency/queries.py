@@ -1,0 +1,95 @@
+"""Every SQL statement the package sends, in one place.
+
+Calls use named notation with explicit casts, so they keep working if the engine adds
+defaulted arguments, and a reader sees which argument each value is. Parameters are psycopg
+named placeholders; the values are always bound, never formatted into the text.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+# -- the lifecycle (docs/sql-api.md) --------------------------------------------------------
+
+CLAIM: Final = """
+SELECT * FROM idempotency.claim(
+    scope => %(scope)s::text, key => %(key)s::text, request => %(request)s::jsonb,
+    lease => %(lease)s::interval, fingerprint => %(fingerprint)s::bytea,
+    strict => %(strict)s::boolean, reference_time => %(reference_time)s::timestamptz)
+"""
+
+TAKEOVER: Final = """
+SELECT * FROM idempotency.takeover(
+    scope => %(scope)s::text, key => %(key)s::text, lease => %(lease)s::interval,
+    reference_time => %(reference_time)s::timestamptz)
+"""
+
+CHECKPOINT: Final = """
+SELECT idempotency.checkpoint(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    recovery_point => %(recovery_point)s::text, extend => %(extend)s::interval,
+    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+"""
+
+HEARTBEAT: Final = """
+SELECT idempotency.heartbeat(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    lease => %(lease)s::interval,
+    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+"""
+
+COMPLETE: Final = """
+SELECT idempotency.complete(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
+    reference_time => %(reference_time)s::timestamptz) AS completed_at
+"""
+
+COMPLETE_BYTES: Final = """
+SELECT idempotency.complete_bytes(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    status => %(status)s::integer, body => %(body)s::bytea,
+    content_type => %(content_type)s::text, headers => %(headers)s::jsonb,
+    reference_time => %(reference_time)s::timestamptz) AS completed_at
+"""
+
+RELEASE: Final = """
+SELECT idempotency.release(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint)
+"""
+
+LIST_ABANDONED: Final = """
+SELECT * FROM idempotency.list_abandoned(
+    max_keys => %(max_keys)s::integer, scope => %(scope)s::text,
+    reference_time => %(reference_time)s::timestamptz)
+"""
+
+INBOX_ACCEPT: Final = """
+SELECT idempotency.inbox_accept(
+    consumer => %(consumer)s::text, message_id => %(message_id)s::text,
+    reference_time => %(reference_time)s::timestamptz) AS accepted
+"""
+
+# -- fingerprints (docs/fingerprint.md) -----------------------------------------------------
+
+DERIVE_KEY: Final = """
+SELECT idempotency.derive_key(
+    scope => %(scope)s::text, key => %(key)s::text, step => %(step)s::text) AS derived
+"""
+
+# request and defaults are JSON *text*, so the spelling of numbers reaches the server as is.
+FINGERPRINT: Final = """
+SELECT idempotency.fingerprint(
+    request => %(request)s::jsonb, defaults => coalesce(%(defaults)s::jsonb, '{}'),
+    fields => %(fields)s::text[]) AS fingerprint
+"""
+
+# -- the installed schema (migrate.py keeps its own statements next to its lock) -------------
+
+SCHEMA_INSTALLED: Final = (
+    "SELECT pg_catalog.to_regclass('idempotency.migrations') IS NOT NULL AS installed")
+SCHEMA_VERSION: Final = "SELECT max(version) AS version FROM idempotency.migrations"
+
+# -- transactions ---------------------------------------------------------------------------
+
+BEGIN: Final = "BEGIN"

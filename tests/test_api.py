@@ -1,0 +1,358 @@
+"""The Python API on real PostgreSQL 15 and 18: every outcome through the sync and the async
+flavour, the operation() flow's transactions, the exception classes, psycopg_pool.
+
+Each scenario is written once as a coroutine and run with both flavours: ``call`` awaits what
+the async API returns and passes the sync API's results through.
+"""
+
+from __future__ import annotations
+
+import inspect
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+
+import pg_idempotency as idem
+from pg_idempotency import aio, errors
+
+pytestmark = pytest.mark.anyio
+
+LEDGER = "CREATE TABLE ledger (id serial PRIMARY KEY, account text, amount integer)"
+
+
+async def call(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
+
+
+@pytest.fixture(params=["sync", "async"])
+async def flavour(request: pytest.FixtureRequest, db: str) -> Any:
+    """(api module, connection) for the sync or the async API, with a ledger table."""
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    if request.param == "sync":
+        with psycopg.connect(db, autocommit=True) as conn:
+            yield idem, conn
+    else:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
+            yield aio, conn
+
+
+def ledger_count(db: str) -> int:
+    with psycopg.connect(db) as conn:
+        return conn.execute("SELECT count(*) FROM ledger").fetchone()[0]
+
+
+def key_row(db: str, key: str) -> tuple[Any, ...] | None:
+    with psycopg.connect(db) as conn:
+        return conn.execute(
+            "SELECT state, recovery_point, attempts FROM idempotency.keys WHERE key = %s",
+            (key,)).fetchone()
+
+
+async def insert(conn: Any, amount: int) -> None:
+    await call(conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', %s)", (amount,)))
+
+
+async def test_every_outcome(flavour: Any) -> None:
+    api, conn = flavour
+    t0 = datetime.now(timezone.utc)
+    req = {"amount": 50, "currency": "EUR"}
+
+    first = await call(api.claim(conn, "acct", "k1", req, lease=10, reference_time=t0))
+    assert first.outcome is idem.Outcome.CLAIMED and first.outcome.owned
+    assert first.lease_token > 0 and first.attempts == 1 and first.response is None
+
+    busy = await call(api.claim(conn, "acct", "k1", req, reference_time=t0 + timedelta(seconds=4)))
+    assert busy.outcome is idem.Outcome.IN_PROGRESS and busy.lease_token is None
+    assert busy.retry_after == timedelta(seconds=6)
+
+    other = await call(api.claim(conn, "acct", "k1", {"amount": 51}, reference_time=t0))
+    assert other.outcome is idem.Outcome.MISMATCH
+    with pytest.raises(errors.KeyMismatch) as mismatch:
+        await call(api.claim(conn, "acct", "k1", {"amount": 51}, strict=True, reference_time=t0))
+    assert mismatch.value.sqlstate == "IK002" and mismatch.value.detail
+
+    # the lease expires: the next claim resumes from the recovery point, with a higher token
+    later = t0 + timedelta(seconds=11)
+    await call(api.checkpoint(conn, "acct", "k1", first.lease_token, "charge_created",
+                              reference_time=t0))
+    resumed = await call(api.claim(conn, "acct", "k1", req, reference_time=later))
+    assert resumed.outcome is idem.Outcome.RESUMED
+    assert resumed.recovery_point == "charge_created" and resumed.attempts == 2
+    assert resumed.lease_token > first.lease_token
+
+    # the stale holder is fenced off
+    with pytest.raises(errors.LeaseLost) as lost:
+        await call(api.complete(conn, "acct", "k1", first.lease_token, 201, {"id": 1},
+                                reference_time=later))
+    assert lost.value.sqlstate == "IK001"
+
+    await call(api.heartbeat(conn, "acct", "k1", resumed.lease_token, lease=20,
+                             reference_time=later))
+    done = await call(api.complete(conn, "acct", "k1", resumed.lease_token, 201, {"id": 1},
+                                   headers={"Location": "/charges/1"}, reference_time=later))
+    assert isinstance(done, datetime)
+
+    replay = await call(api.claim(conn, "acct", "k1", req, reference_time=later))
+    assert replay.outcome is idem.Outcome.REPLAY and not replay.outcome.owned
+    assert replay.response == idem.StoredResponse(
+        status=201, headers={"Location": "/charges/1"}, body={"id": 1}, body_bytes=None,
+        content_type="application/json", completed_at=done)
+    assert replay.response.content == b'{"id":1}'
+
+    with pytest.raises(errors.AlreadyCompleted):
+        await call(api.release(conn, "acct", "k1", resumed.lease_token))
+    with pytest.raises(errors.KeyNotFound):
+        await call(api.release(conn, "acct", "nope", 1))
+
+    # bytes bodies keep their exact bytes and content type; a released key starts afresh
+    b = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x01" * 32))
+    await call(api.release(conn, "acct", "k2", b.lease_token))
+    b = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x02" * 32))
+    assert b.outcome is idem.Outcome.CLAIMED and b.attempts == 1
+    await call(api.complete(conn, "acct", "k2", b.lease_token, 200, b"<p>hi</p>",
+                            content_type="text/html"))
+    again = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x02" * 32))
+    assert again.response.body_bytes == b"<p>hi</p>"
+    assert again.response.content_type == "text/html" and again.response.body is None
+
+
+async def test_takeover_list_abandoned_inbox(flavour: Any) -> None:
+    api, conn = flavour
+    t0 = datetime.now(timezone.utc)
+    for k in ("a1", "a2"):
+        await call(api.claim(conn, "s", k, {"k": k}, lease=1, reference_time=t0))
+    later = t0 + timedelta(seconds=5)
+    await call(conn.execute("BEGIN"))
+    abandoned = await call(api.list_abandoned(conn, 10, scope="s", reference_time=later))
+    assert sorted(a.key for a in abandoned) == ["a1", "a2"]
+    assert all(isinstance(a, idem.AbandonedKey) and a.attempts == 1 for a in abandoned)
+    taken = await call(api.takeover(conn, "s", "a1", reference_time=later))
+    await call(conn.execute("COMMIT"))
+    assert taken.outcome is idem.Outcome.RESUMED
+    assert await call(api.inbox_accept(conn, "worker", "m1")) is True
+    assert await call(api.inbox_accept(conn, "worker", "m1")) is False
+
+
+async def test_argument_errors(flavour: Any) -> None:
+    api, conn = flavour
+    cases = [
+        (errors.ArgumentNull, "IK010", "key", dict(scope="s", key=None, request={})),
+        (errors.ArgumentEmpty, "IK011", "scope", dict(scope="", key="k", request={})),
+        (errors.ArgumentTooLong, "IK012", "key", dict(scope="s", key="k" * 256, request={})),
+        (errors.ArgumentInvalidCharacters, "IK013", "key",
+         dict(scope="s", key="a\nb", request={})),
+        (errors.ArgumentOutOfRange, "IK014", "lease",
+         dict(scope="s", key="k", request={}, lease=0)),
+        (errors.ArgumentConflict, "IK016", "fingerprint",
+         dict(scope="s", key="k", request={}, fingerprint=b"x" * 32)),
+    ]
+    for cls, state, argument, kwargs in cases:
+        with pytest.raises(cls) as info:
+            await call(api.claim(conn, **kwargs))
+        e = info.value
+        assert isinstance(e, errors.InvalidArgument) and isinstance(e, ValueError)
+        assert (e.sqlstate, e.argument, e.function) == (state, argument, "idempotency.claim")
+        assert isinstance(e.__cause__, psycopg.Error) and e.pgerror is e.__cause__
+    c = await call(api.claim(conn, "s", "k", {}))
+    with pytest.raises(errors.ArgumentWrongType) as info:
+        await call(api.complete(conn, "s", "k", c.lease_token, 200, None,
+                                headers={"Bad Header": "x"}))
+    assert info.value.sqlstate == "IK015"
+    with pytest.raises(errors.IsolationNotSupported) as iso:
+        await call(conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ"))
+        await call(api.claim(conn, "s", "k9", {}))
+    assert iso.value.sqlstate == "IK005"
+    await call(conn.rollback())
+    # an error PostgreSQL raises itself is not translated
+    with pytest.raises(psycopg.errors.UntranslatableCharacter):
+        await call(conn.execute("""SELECT '"\\u0000"'::jsonb"""))
+
+
+def test_pure_python_errors_are_the_same_classes() -> None:
+    with pytest.raises(errors.ArgumentEmpty) as info:
+        idem.derive_key("s", "", "step")
+    assert info.value.sqlstate == "IK011" and info.value.argument == "key"
+    assert isinstance(info.value, idem.InvalidArgument)
+    from pg_idempotency.fingerprint import InvalidArgument
+
+    assert InvalidArgument is errors.InvalidArgument
+
+
+# -- the operation() flow --------------------------------------------------------------------
+
+async def test_operation_complete_then_replay(flavour: Any, db: str) -> None:
+    api, conn = flavour
+    req = {"amount": 5}
+    for attempt in range(2):
+        op = api.operation(conn, "acct", "op1", req)
+        async with _enter(op) as op:
+            if attempt == 0:
+                assert op.outcome is idem.Outcome.CLAIMED and op.replay is None
+                await insert(conn, 5)
+                response = await call(op.complete(201, {"ok": True},
+                                                  headers={"Location": "/x/1"}))
+                assert response.status == 201
+            else:
+                assert op.outcome is idem.Outcome.REPLAY
+                assert op.replay.status == 201 and op.replay.json() == {"ok": True}
+                assert op.replay.headers == {"Location": "/x/1"}
+                with pytest.raises(idem.UsageError, match="replay"):
+                    await call(op.complete(200, {}))
+    assert ledger_count(db) == 1
+    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+
+
+async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
+    api, conn = flavour
+    # before any side effect: rolled back and released, a retry with another body runs afresh
+    with pytest.raises(ZeroDivisionError):
+        async with _enter(api.operation(conn, "acct", "op2", {"v": 1})):
+            await insert(conn, 1)
+            1 / 0  # noqa: B018
+    assert key_row(db, "op2") is None and ledger_count(db) == 0
+    async with _enter(api.operation(conn, "acct", "op2", {"v": 2})) as op:
+        assert op.outcome is idem.Outcome.CLAIMED
+        await call(op.complete(200, None))
+
+    # after a checkpoint: the step's writes stay, later writes roll back, the key stays
+    t0 = datetime.now(timezone.utc)
+    with pytest.raises(TimeoutError):
+        async with _enter(api.operation(conn, "acct", "op3", {"v": 3}, lease=5,
+                                        reference_time=t0)) as op:
+            await insert(conn, 10)
+            await call(op.checkpoint("charge_created"))
+            await insert(conn, 20)
+            raise TimeoutError("processor did not answer")
+    assert key_row(db, "op3") == ("in_progress", "charge_created", 1)
+    with psycopg.connect(db) as c:
+        assert c.execute("SELECT array_agg(amount) FROM ledger").fetchone()[0] == [10]
+    # a derived downstream key makes a failure ambiguous too
+    with pytest.raises(ConnectionError):
+        async with _enter(api.operation(conn, "acct", "op4", {"v": 4})) as op:
+            assert op.derive_key("charge") == idem.derive_key("acct", "op4", "charge")
+            raise ConnectionError
+    assert key_row(db, "op4")[0] == "in_progress"
+
+    # the retry after expiry resumes from the recovery point
+    async with _enter(api.operation(conn, "acct", "op3", {"v": 3},
+                                    reference_time=t0 + timedelta(seconds=6))) as op:
+        assert op.outcome is idem.Outcome.RESUMED and op.recovery_point == "charge_created"
+        assert op.attempts == 2
+        await call(op.complete(201, {"resumed": True}))
+    # while the lease is live: KeyInProgress; another request: KeyMismatch
+    with pytest.raises(idem.KeyInProgress) as busy:
+        async with _enter(api.operation(conn, "acct", "op4", {"v": 4})):
+            pass
+    assert busy.value.retry_after > timedelta(0)
+    with pytest.raises(idem.KeyMismatch):
+        async with _enter(api.operation(conn, "acct", "op3", {"v": 99})):
+            pass
+
+    # a block that forgets complete(): rolled back, released, and said so
+    with pytest.raises(idem.UsageError, match="without op.complete"):
+        async with _enter(api.operation(conn, "acct", "op5", {})):
+            await insert(conn, 7)
+    assert key_row(db, "op5") is None
+
+
+async def test_complete_rolls_back_with_the_business_write_when_the_lease_was_lost(
+        flavour: Any, db: str) -> None:
+    api, conn = flavour
+    t0 = datetime.now(timezone.utc)
+    with pytest.raises(idem.LeaseLost):
+        async with _enter(api.operation(conn, "acct", "lost", {"v": 1}, lease=1,
+                                        reference_time=t0)) as op:
+            await insert(conn, 50)
+            # meanwhile the lease expired and a retry took the key over
+            with psycopg.connect(db, autocommit=True) as other:
+                r = idem.claim(other, "acct", "lost", {"v": 1},
+                               reference_time=t0 + timedelta(seconds=2))
+                assert r.outcome is idem.Outcome.RESUMED
+            await call(op.complete(201, {"id": 1}))
+    assert ledger_count(db) == 0
+    assert key_row(db, "lost") == ("in_progress", None, 2)
+
+
+async def test_operation_refuses_an_open_transaction(flavour: Any) -> None:
+    api, conn = flavour
+    await call(conn.execute("BEGIN"))
+    await call(conn.execute("SELECT 1"))
+    with pytest.raises(idem.UsageError, match="idle connection"):
+        async with _enter(api.operation(conn, "s", "k", {})):
+            pass
+    await call(conn.rollback())
+
+
+async def test_decorator(flavour: Any, db: str) -> None:
+    api, conn = flavour
+    runs = []
+
+    if api is aio:
+        @aio.idempotent(status=201)
+        async def charge(conn: Any, amount: int, *, op: Any) -> dict[str, Any]:
+            runs.append(op.key)
+            await insert(conn, amount)
+            return {"charged": amount, "ref": op.derive_key("processor")[:8]}
+    else:
+        @idem.idempotent(status=201)
+        def charge(conn: Any, amount: int, *, op: Any) -> dict[str, Any]:
+            runs.append(op.key)
+            conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', %s)", (amount,))
+            return {"charged": amount, "ref": op.derive_key("processor")[:8]}
+
+    assert inspect.iscoroutinefunction(charge) == (api is aio)
+    first = await call(charge(conn, "acct", "d1", 30))
+    second = await call(charge(conn, "acct", "d1", 30))
+    assert first == second and first["charged"] == 30
+    assert runs == ["d1"] and ledger_count(db) == 1
+    with pytest.raises(idem.KeyMismatch):
+        await call(charge(conn, "acct", "d1", 31))
+
+
+# -- pools -----------------------------------------------------------------------------------
+
+def test_sync_pool(db: str) -> None:
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    with ConnectionPool(db, min_size=1, max_size=2, open=True) as pool:
+        for _ in range(2):
+            with pool.connection() as conn, idem.operation(conn, "p", "k", {"a": 1}) as op:
+                if op.replay is None:
+                    conn.execute("INSERT INTO ledger (account, amount) VALUES ('p', 1)")
+                    op.complete(201, {"n": 1})
+    assert ledger_count(db) == 1
+
+
+async def test_async_pool(db: str) -> None:
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    async with AsyncConnectionPool(db, min_size=1, max_size=2, open=False) as pool:
+        for _ in range(2):
+            async with pool.connection() as conn, aio.operation(conn, "p", "k", {"a": 1}) as op:
+                if op.replay is None:
+                    await conn.execute("INSERT INTO ledger (account, amount) VALUES ('p', 1)")
+                    await op.complete(201, {"n": 1})
+    assert ledger_count(db) == 1
+
+
+# -- helpers ---------------------------------------------------------------------------------
+
+class _enter:
+    """``async with _enter(op)`` for either flavour's Operation."""
+
+    def __init__(self, op: Any) -> None:
+        self.op = op
+
+    async def __aenter__(self) -> Any:
+        if isinstance(self.op, aio.Operation):
+            return await self.op.__aenter__()
+        return self.op.__enter__()
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        if isinstance(self.op, aio.Operation):
+            return await self.op.__aexit__(*exc)
+        return self.op.__exit__(*exc)
