@@ -8,7 +8,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 import subprocess
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -24,7 +23,6 @@ from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
-NODE_DIR = conf.HERE / "node"
 API = conf.load_api()
 FILES = conf.scenario_files()
 IDS = [p.stem for p in FILES]
@@ -46,17 +44,9 @@ def conformance_dsn(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
         sql.Identifier(name)))
 
 
-def node_command() -> list[str]:
-    node = shutil.which("node")
-    assert node, "node is not on PATH (Node.js 20 is needed for the conformance runner)"
-    assert (NODE_DIR / "node_modules" / "pg").is_dir(), (
-        f"{NODE_DIR}/node_modules is missing: run make setup (npm ci)")
-    return [node, str(NODE_DIR / "run.mjs")]
-
-
 def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], str]:
-    proc = subprocess.run([*node_command(), dsn, *map(str, files)], capture_output=True,
-                          text=True, timeout=300, cwd=NODE_DIR)
+    proc = subprocess.run([*conf.node_command(), dsn, *map(str, files)], capture_output=True,
+                          text=True, timeout=300, cwd=conf.NODE_DIR)
     results = {}
     for line in proc.stdout.splitlines():
         record = json.loads(line)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ SCENARIO_DIR = HERE / "scenarios"
 API_FILE = HERE / "functions.json"
 VECTORS_FILE = HERE.parent / "vectors" / "fingerprint.json"
 VECTORS_SCENARIO = SCENARIO_DIR / "fingerprint_vectors.json"
+NODE_DIR = HERE / "node"
 
 STEP_KEYS = {"session", "at", "call", "args", "sql", "expect", "error", "note"}
 MATCHERS = {"$capture", "$eq", "$ne", "$gt", "$lt", "$not_null"}
@@ -42,6 +44,16 @@ def scenario_files() -> list[Path]:
 
 def load_scenario(path: Path) -> dict[str, Any]:
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def node_command(script: str = "run.mjs") -> list[str]:
+    """``node`` and a script of node/, failing loudly when make setup has not run npm ci."""
+    node = shutil.which("node")
+    if node is None:
+        raise RuntimeError("node is not on PATH (Node.js 20 runs the conformance scenarios)")
+    if not (NODE_DIR / "node_modules" / "pg").is_dir():
+        raise RuntimeError(f"{NODE_DIR}/node_modules is missing: run make setup (npm ci)")
+    return [node, str(NODE_DIR / script)]
 
 
 def kind_of(sql_type: str) -> str:
