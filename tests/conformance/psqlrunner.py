@@ -147,7 +147,7 @@ def generate(scenario: dict[str, Any], api: dict[str, Any]) -> tuple[str, int]:
                         sql_op = {"eq": "IS NOT DISTINCT FROM", "ne": "IS DISTINCT FROM",
                                   "gt": ">", "lt": "<"}[op]
                         cond = f"{got} {sql_op} {other}"
-                    out.append(_check_line(cond, f"{label} {col} {op} {operand!r}", got))
+                    out.append(_check_line(cond, f"{label} {col} {_describe(op, operand)}", got))
                     checks += 1
                 if isinstance(matcher, dict) and "$capture" in matcher:
                     out.append(f"\\set c_{matcher['$capture']} :{var}{col}")
@@ -158,6 +158,14 @@ def generate(scenario: dict[str, Any], api: dict[str, Any]) -> tuple[str, int]:
     out += deferred
     out.append("\\echo '@@end'")
     return "\n".join(out) + "\n", checks
+
+
+def _describe(op: str, operand: Any) -> str:
+    if operand is None:
+        return op.replace("_", " ")
+    src, want = operand
+    sign = {"eq": "=", "ne": "<>", "gt": ">", "lt": "<"}[op]
+    return f"{sign} {want}" if src == "ref" else f"{sign} {json.dumps(want, ensure_ascii=False)}"
 
 
 class _RefNames(dict):
@@ -193,3 +201,12 @@ def check_output(scenario: dict[str, Any], expected_checks: int, stdout: str,
             failures.append(f"step {i}: error COLUMN {got!r}, expected {err['column']!r}")
     return failures
 
+
+
+if __name__ == "__main__":  # cd tests && python -m conformance.psqlrunner SCENARIO.json
+    import sys
+    from pathlib import Path
+
+    from conformance import load_api, load_scenario
+
+    print(generate(load_scenario(Path(sys.argv[1])), load_api())[0], end="")
