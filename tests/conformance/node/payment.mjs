@@ -1,0 +1,61 @@
+// POST /charges with an Idempotency-Key, on node-postgres: claim, then the business write and
+// complete in one transaction, and the claim outcome mapped to an HTTP answer.
+// (docs/other-languages.md shows this file; tests/conformance/node/payment_check.mjs runs it.)
+
+export async function createCharge(pool, account, idempotencyKey, request) {
+  // 1. Claim in its own transaction: pool.query runs one statement in autocommit.
+  const { rows: [claim] } = await pool.query(
+    `SELECT outcome, lease_token, response_status, response_headers, response_body,
+            ceil(extract(epoch FROM retry_after))::int AS retry_after_s
+       FROM idempotency.claim(scope => $1, key => $2, request => $3::jsonb)`,
+    [account, idempotencyKey, JSON.stringify(request)]);
+
+  switch (claim.outcome) {
+    case 'replay':
+      return {
+        status: claim.response_status,
+        headers: { ...claim.response_headers, 'Idempotent-Replayed': 'true' },
+        body: claim.response_body,
+      };
+    case 'in_progress':
+      return { status: 409, headers: { 'Retry-After': String(claim.retry_after_s) }, body: { error: 'in_progress' } };
+    case 'mismatch':
+      return { status: 422, headers: {}, body: { error: 'idempotency_key_reused' } };
+    default:
+      // claimed, or resumed after a crashed attempt. The charge below commits only together
+      // with complete(), so a crashed attempt left nothing behind and running again is safe.
+      // (Side effects outside this database: reconcile from claim.recovery_point first.)
+      break;
+  }
+
+  // 2. The business write and complete() in ONE transaction, on one client.
+  const client = await pool.connect();
+  try {
+    await client.query('BEGIN');
+    const { rows: [charge] } = await client.query(
+      'INSERT INTO charges (account, amount) VALUES ($1, $2) RETURNING id',
+      [account, request.amount]);
+    const response = {
+      status: 201,
+      headers: { Location: `/charges/${charge.id}` },
+      body: { id: Number(charge.id), amount: request.amount },
+    };
+    await client.query(
+      `SELECT idempotency.complete(scope => $1, key => $2, lease_token => $3, status => $4,
+                                   body => $5::jsonb, headers => $6::jsonb)`,
+      [account, idempotencyKey, claim.lease_token, response.status,
+       JSON.stringify(response.body), JSON.stringify(response.headers)]);
+    await client.query('COMMIT');
+    return response;
+  } catch (err) {
+    await client.query('ROLLBACK');
+    // IK001: our lease was taken over; IK004: completed meanwhile. The charge rolled back;
+    // the newer holder's answer is what a retry gets.
+    if (err.code === 'IK001' || err.code === 'IK004') {
+      return { status: 409, headers: { 'Retry-After': '1' }, body: { error: 'in_progress' } };
+    }
+    throw err;
+  } finally {
+    client.release();
+  }
+}

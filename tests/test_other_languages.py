@@ -1,0 +1,56 @@
+"""docs/other-languages.md: its psql and Node examples are files that run here, shown unchanged.
+
+A fenced block right after ``<!-- file: PATH -->`` must be the file at PATH, byte for byte;
+the psql example then runs with plain psql (twice: the second run replays) and the Node one
+through node/payment_check.mjs, on PostgreSQL 15 and 18.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import psycopg
+
+from conformance import NODE_DIR, node_command
+from pgharness import PgServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = ROOT / "docs" / "other-languages.md"
+INCLUDED = re.compile(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```\n", re.S)
+PSQL_EXAMPLE = ROOT / "tests" / "conformance" / "psql" / "payment.psql"
+NODE_EXAMPLE = NODE_DIR / "payment.mjs"
+
+
+def test_doc_shows_the_executed_files_unchanged() -> None:
+    text = DOC.read_text(encoding="utf-8")
+    shown = dict(INCLUDED.findall(text))
+    assert text.count("<!-- file: ") == len(shown), "a file marker without its code block"
+    for path in (PSQL_EXAMPLE, NODE_EXAMPLE):
+        rel = str(path.relative_to(ROOT))
+        assert rel in shown, f"{DOC.name} does not show {rel}"
+    for rel, block in shown.items():
+        assert block == (ROOT / rel).read_text(encoding="utf-8"), (
+            f"{DOC.name} shows an old copy of {rel}: paste the file again")
+
+
+def test_readme_links_other_languages() -> None:
+    assert "(docs/other-languages.md)" in (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_psql_example(server: PgServer, db: str) -> None:
+    args = ("-X", "-q", "-v", "ON_ERROR_STOP=1", "-v", "scope=acct_42", "-v", "key=order-7f3a")
+    first = server.run_psql(db, PSQL_EXAMPLE, args=args).stdout.splitlines()
+    assert first == ["claim: claimed", "completed: 201 /charges/1",
+                     'retry: replay 201 {"id": 1, "amount": 50}', "other request: mismatch"]
+    second = server.run_psql(db, PSQL_EXAMPLE, args=args).stdout.splitlines()
+    assert second == ["claim: replay", *first[2:]]
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM charges").fetchone() == (1,)
+
+
+def test_node_example(db: str) -> None:
+    proc = subprocess.run([*node_command("payment_check.mjs"), db],
+                          capture_output=True, text=True, timeout=120, cwd=NODE_DIR)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
