@@ -2,7 +2,8 @@
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build), then lint, then pytest on PostgreSQL 15 and 18
-#   make run     the lifecycle on an embedded PostgreSQL 18 (tools/walkthrough.py)
+#   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
+#                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py)
 #   make clean   remove .venv, build/ and caches
@@ -76,7 +77,7 @@ lint: $(STAMP)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
 run: $(STAMP)
-	$(PY) tools/walkthrough.py $(RUN_ARGS)
+	$(PY) tools/run.py $(RUN_ARGS)
 
 bench: setup
 	$(PY) bench/run.py
