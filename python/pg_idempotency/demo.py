@@ -480,6 +480,7 @@ def run(dsn: str, conn: psycopg.Connection, *, clients: int, payments_each: int,
     summary = asyncio.run(storm(dsn, plan, run_id, progress=not as_json, console=console))
     summary.update(run=run_id, seed=seed, clients=clients, payments=payments_each,
                    faults=dict(sorted(Counter(i.fault for c in plan for i in c).items())),
+                   schedule=[[i.fault for i in c] for c in plan],
                    ok=not failures(summary))
     if as_json:
         sys.stdout.write(json.dumps(summary, indent=2) + "\n")
