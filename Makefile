@@ -3,7 +3,8 @@
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build, node-postgres for the conformance runner), then lint, then pytest
 #                on PostgreSQL 15 and 18
-#   make run     the lifecycle on an embedded PostgreSQL 18 (tools/walkthrough.py)
+#   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
+#                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py)
 #   make clean   remove .venv, build/ and caches
@@ -24,7 +25,7 @@ SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 
 # What goes into the wheel (directories too, so adding or deleting a file counts).
 WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
-	$(shell find python migrations -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
+	$(shell find python migrations examples/payments -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 
 # The Node.js conformance runner's packages, exactly as package-lock.json pins them.
 NODE_DIR   := tests/conformance/node
@@ -63,8 +64,8 @@ deb-deps:
 # migrations/ replaces the installed copy even at the same version.
 $(STAMP): $(WHEEL_INPUTS)
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "pip install '.[test]' into $(VENV) (log: $(VENV)/pip.log)"
-	@$(PY) -m pip install '.[test]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
+	@echo "pip install '.[test,demo]' into $(VENV) (log: $(VENV)/pip.log)"
+	@$(PY) -m pip install '.[test,demo]' > $(VENV)/pip.log 2>&1 || { cat $(VENV)/pip.log; exit 1; }
 	@touch $@
 
 # npm ci only when node_modules is missing or older than package.json / package-lock.json.
@@ -89,7 +90,7 @@ lint: $(STAMP)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
 run: $(STAMP)
-	$(PY) tools/walkthrough.py $(RUN_ARGS)
+	$(PY) tools/run.py $(RUN_ARGS)
 
 bench: setup
 	$(PY) bench/run.py

