@@ -17,7 +17,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check
+DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
+               postgresql-15-cron postgresql-15-partman
 DEB_EXT_DIR := /usr/share/postgresql/15/extension
 SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -72,6 +73,7 @@ build-ext: $(STAMP)
 	$(PY) tools/build.py
 
 lint: $(STAMP)
+	$(PY) tools/build.py --check > /dev/null
 	$(VENV)/bin/ruff check -q $(RUFF_PATHS)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
