@@ -462,6 +462,8 @@ DECLARE
     v_overlap text;
     v_count bigint;
     v_step idempotency.maintenance_action;
+    v_timeout text := ceil(extract(EPOCH FROM
+        (_make_partitions.settings).maintenance_lock_timeout) * 1000)::bigint || ' ms';
 BEGIN
     -- 1. Rows in the default partition, one partition_interval bucket at a time. (Expired rows
     --    were deleted in phase 1, so what is left is live.)
@@ -523,8 +525,7 @@ BEGIN
                     v_step.reason := format(
                         'not moved: idempotency.%s was not locked within %s '
                         '(settings.maintenance_lock_timeout); a transaction is using it',
-                        _make_partitions.parent,
-                        (_make_partitions.settings).maintenance_lock_timeout);
+                        _make_partitions.parent, v_timeout);
                 WHEN duplicate_table THEN
                     v_step.reason := 'not moved: ' || SQLERRM;
             END;
@@ -565,8 +566,7 @@ BEGIN
                     v_step.reason := format(
                         'not created: idempotency.%s was not locked within %s '
                         '(settings.maintenance_lock_timeout); a transaction is using it',
-                        _make_partitions.parent,
-                        (_make_partitions.settings).maintenance_lock_timeout);
+                        _make_partitions.parent, v_timeout);
                     RETURN NEXT v_step;
                 END;
             END IF;
@@ -620,6 +620,7 @@ DECLARE
     v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
     v_blocked text[] := ARRAY[]::text[];
     v_step idempotency.maintenance_action;
+    v_timeout text;
 BEGIN
     IF maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
@@ -719,10 +720,9 @@ BEGIN
     END LOOP;
 
     -- Phase 2: DDL under a short lock_timeout (local to this transaction; restored below).
-    PERFORM set_config(
-        'lock_timeout',
-        ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint || 'ms',
-        true);
+    v_timeout := ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint
+                 || ' ms';
+    PERFORM set_config('lock_timeout', v_timeout, true);
     FOREACH v_parent IN ARRAY v_parents LOOP
         CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
         FOREACH v_step IN ARRAY v_drops LOOP
@@ -744,7 +744,7 @@ BEGIN
                 v_step.reason := format(
                     'not dropped: idempotency.%s was not locked within %s '
                     '(settings.maintenance_lock_timeout); a transaction is using it',
-                    v_parent, v_settings.maintenance_lock_timeout);
+                    v_parent, v_timeout);
                 RETURN NEXT v_step;
             END;
         END LOOP;

@@ -32,6 +32,8 @@ DECLARE
     v_overlap text;
     v_count bigint;
     v_step idempotency.maintenance_action;
+    v_timeout text := ceil(extract(EPOCH FROM
+        (_make_partitions.settings).maintenance_lock_timeout) * 1000)::bigint || ' ms';
 BEGIN
     -- 1. Rows in the default partition, one partition_interval bucket at a time. (Expired rows
     --    were deleted in phase 1, so what is left is live.)
@@ -93,8 +95,7 @@ BEGIN
                     v_step.reason := format(
                         'not moved: idempotency.%s was not locked within %s '
                         '(settings.maintenance_lock_timeout); a transaction is using it',
-                        _make_partitions.parent,
-                        (_make_partitions.settings).maintenance_lock_timeout);
+                        _make_partitions.parent, v_timeout);
                 WHEN duplicate_table THEN
                     v_step.reason := 'not moved: ' || SQLERRM;
             END;
@@ -135,8 +136,7 @@ BEGIN
                     v_step.reason := format(
                         'not created: idempotency.%s was not locked within %s '
                         '(settings.maintenance_lock_timeout); a transaction is using it',
-                        _make_partitions.parent,
-                        (_make_partitions.settings).maintenance_lock_timeout);
+                        _make_partitions.parent, v_timeout);
                     RETURN NEXT v_step;
                 END;
             END IF;

@@ -35,6 +35,7 @@ DECLARE
     v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
     v_blocked text[] := ARRAY[]::text[];
     v_step idempotency.maintenance_action;
+    v_timeout text;
 BEGIN
     IF maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
@@ -134,10 +135,9 @@ BEGIN
     END LOOP;
 
     -- Phase 2: DDL under a short lock_timeout (local to this transaction; restored below).
-    PERFORM set_config(
-        'lock_timeout',
-        ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint || 'ms',
-        true);
+    v_timeout := ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint
+                 || ' ms';
+    PERFORM set_config('lock_timeout', v_timeout, true);
     FOREACH v_parent IN ARRAY v_parents LOOP
         CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
         FOREACH v_step IN ARRAY v_drops LOOP
@@ -159,7 +159,7 @@ BEGIN
                 v_step.reason := format(
                     'not dropped: idempotency.%s was not locked within %s '
                     '(settings.maintenance_lock_timeout); a transaction is using it',
-                    v_parent, v_settings.maintenance_lock_timeout);
+                    v_parent, v_timeout);
                 RETURN NEXT v_step;
             END;
         END LOOP;
