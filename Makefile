@@ -4,7 +4,7 @@
 #                build), then lint, then pytest on PostgreSQL 15 and 18
 #   make run     the lifecycle on an embedded PostgreSQL 18 (tools/walkthrough.py)
 #   make lint    ruff + sqlfluff
-#   make bench   benchmarks (bench/run.py)
+#   make bench   benchmarks (bench/run.py, bench/retention.py)
 #   make clean   remove .venv, build/ and caches
 
 SHELL := /bin/bash
@@ -82,6 +82,7 @@ run: $(STAMP)
 
 bench: setup
 	$(PY) bench/run.py
+	$(PY) bench/retention.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache

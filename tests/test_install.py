@@ -517,3 +517,62 @@ def test_hostile_search_path_for_concurrent_claims(server: PgServer, db: str) ->
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'hc'"
                             ).fetchone()[0] == len(keys)
+
+
+# -- ALTER EXTENSION UPDATE ---------------------------------------------------------------------
+
+
+CATALOG_SQL = """
+SELECT 'function ' || p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid))
+       || ' ' || coalesce(obj_description(p.oid, 'pg_proc'), '')
+FROM pg_proc AS p WHERE p.pronamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+       || ' ' || a.attnotnull || ' ' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+FROM pg_attribute AS a JOIN pg_class AS c ON c.oid = a.attrelid
+LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind IN ('r', 'p', 'c')
+  AND c.relname !~ '_p[0-9]' AND a.attnum > 0 AND NOT a.attisdropped
+UNION ALL
+SELECT 'constraint ' || conrelid::regclass::text || ' ' || conname || ' '
+       || pg_get_constraintdef(oid)
+FROM pg_constraint WHERE connamespace = 'idempotency'::regnamespace
+  AND conrelid::regclass::text !~ '_p[0-9]'
+UNION ALL
+SELECT 'member ' || pg_describe_object(classid, objid, 0) FROM pg_depend
+WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
+  AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_idempotency')
+UNION ALL
+SELECT 'config ' || unnest(extconfig)::regclass::text FROM pg_extension
+WHERE extname = 'pg_idempotency'
+ORDER BY 1
+"""
+
+
+def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) -> None:
+    with scratch_db(server, "ext_old") as old, scratch_db(server, "ext_new") as new:
+        with psycopg.connect(old, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_idempotency VERSION '0.1.0'")
+            conn.execute("SELECT idempotency._premake()")
+            run_lifecycle(conn, "old")
+            conn.execute("UPDATE idempotency.settings SET retention = '2 days'")
+            conn.execute("ALTER EXTENSION pg_idempotency UPDATE")
+            assert conn.execute("SELECT extversion FROM pg_extension "
+                                "WHERE extname = 'pg_idempotency'").fetchone()[0] == "0.2.0"
+            # The keys and settings of 0.1.0 are kept; the new settings take their defaults.
+            assert conn.execute("SELECT outcome FROM idempotency.claim('old', 'k1', %s)",
+                                (Jsonb({"amount": 50, "currency": "EUR"}),)).fetchone()[0] == (
+                "replay")
+            assert conn.execute("SELECT retention::text, tombstones, manage_partitions "
+                                "FROM idempotency.settings").fetchone() == ("2 days", False, True)
+            assert conn.execute("SELECT count(*) FROM idempotency.maintain()").fetchone()[0] >= 0
+            updated = conn.execute(CATALOG_SQL).fetchall()
+        with psycopg.connect(new, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_idempotency")
+            assert conn.execute("SELECT extversion FROM pg_extension "
+                                "WHERE extname = 'pg_idempotency'").fetchone()[0] == "0.2.0"
+            fresh = conn.execute(CATALOG_SQL).fetchall()
+    assert ("config idempotency.tombstones_default",) in fresh
+    diff = "\n".join(difflib.unified_diff([r[0] for r in fresh], [r[0] for r in updated],
+                                          "CREATE EXTENSION", "0.1.0 + UPDATE", lineterm=""))
+    assert not diff, f"the updated extension differs from a fresh one:\n{diff[:6000]}"

@@ -97,8 +97,9 @@ def test_schedule_registers_the_job_and_its_command_drops_an_expired_partition(
 
 def test_a_bad_schedule_is_refused_by_pg_cron(cron_dsn: str) -> None:
     with psycopg.connect(cron_dsn, autocommit=True) as conn:
-        with pytest.raises(psycopg.Error, match="invalid schedule"):
+        with pytest.raises(psycopg.Error, match="invalid schedule") as bad:
             conn.execute("SELECT idempotency.schedule_maintenance('every now and then')")
+        assert bad.value.sqlstate == "22023"
         with pytest.raises(psycopg.Error) as info:
             conn.execute("SELECT idempotency.schedule_maintenance(NULL)")
         assert info.value.sqlstate == "IK010"

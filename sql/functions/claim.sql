@@ -150,5 +150,6 @@ $$;
 
 COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
 'Claim an idempotency key: outcome claimed | resumed | replay | in_progress | mismatch |
-expired (with strict => true a mismatch raises IK002). Pass request (hashed by idempotency.fingerprint) or your
-own 32-byte fingerprint. reference_time is for tests; leave it NULL. See docs/sql-api.md.';
+expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is for tests; leave it
+NULL. See docs/sql-api.md.';

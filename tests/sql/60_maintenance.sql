@@ -6,7 +6,7 @@
 -- daily partitions, retention 24 hours, 3 partitions ahead.
 BEGIN;
 
-SELECT plan(43);
+SELECT plan(46);
 
 -- d(n): the start (00:00 UTC) of the n-th day after the day of install.
 CREATE FUNCTION pg_temp.d(n integer)
@@ -300,6 +300,21 @@ SELECT throws_ok(
     $$SELECT * FROM idempotency.maintain(NULL)$$,
     'IK010', 'idempotency.maintain: argument "reference_time" must not be NULL',
     'maintain(NULL): IK010'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.schedule_maintenance('*/10 * * * *')$$,
+    'IK020', 'idempotency.schedule_maintenance: pg_cron is not installed in this database',
+    'schedule_maintenance without pg_cron: IK020'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.unschedule_maintenance()$$,
+    'IK020', 'idempotency.unschedule_maintenance: pg_cron is not installed in this database',
+    'unschedule_maintenance without pg_cron: IK020'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.schedule_maintenance(NULL)$$,
+    'IK010', 'idempotency.schedule_maintenance: argument "schedule" must not be NULL',
+    'schedule_maintenance(NULL): IK010'
 );
 SELECT throws_ok(
     $$UPDATE idempotency.settings SET tombstone_retention = '12 hours'$$,
