@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from conftest import install_built_extension
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
@@ -550,6 +551,9 @@ ORDER BY 1
 
 
 def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) -> None:
+    # PostgreSQL 15's extension directory is the system one, shared with any other checkout
+    # running its tests on this machine: put this build's files back just before using them.
+    install_built_extension(server)
     with scratch_db(server, "ext_old") as old, scratch_db(server, "ext_new") as new:
         with psycopg.connect(old, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION pg_idempotency VERSION '0.1.0'")

@@ -160,7 +160,9 @@ def test_a_long_transaction_makes_the_drop_skip_quickly_while_claims_go_on(db: s
         # The inbox is another table: the long transaction does not hold it up.
         assert ("dropped", "inbox", inbox_name) in [s[:3] for s in steps], steps
         assert claim_outcomes and set(claim_outcomes) == {"claimed"}, claim_outcomes
-        assert max(claim_times) < 0.5, (
+        # A claim may wait behind the drop's lock request for up to the 200 ms lock_timeout;
+        # behind the long transaction itself it would wait until the test ends.
+        assert max(claim_times) < 1.0, (
             f"a claim took {max(claim_times):.2f} s while maintain() waited for its lock")
         long_tx.commit()
         steps = runner.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
