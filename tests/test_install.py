@@ -212,6 +212,28 @@ def test_extension_lifecycle_and_partition_membership(server: PgServer, empty_db
                             "~ '^idempotency.keys_p'").fetchone()[0] == 2
 
 
+def test_extension_keys_in_the_default_partition_are_moved_by_maintain(
+    server: PgServer, empty_db: str
+) -> None:
+    """After CREATE EXTENSION (no ranged partitions), claims land in keys_default; the first
+    maintain() makes the partitions and moves those keys into them, as non-members."""
+    install_built_extension(server)  # see test_extension_update_from_0_1_0_...
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_idempotency")
+        run_lifecycle(conn, "ext")
+        assert conn.execute("SELECT DISTINCT tableoid::regclass::text FROM idempotency.keys"
+                            ).fetchall() == [("idempotency.keys_default",)]
+        steps = conn.execute("SELECT action, parent_table, row_count FROM idempotency.maintain()"
+                             ).fetchall()
+        assert ("moved", "keys", 2) in steps and ("moved", "inbox", 1) in steps, steps
+        assert len([s for s in steps if s[0] == "created"]) == 6, steps  # 3 ahead, 2 tables
+        assert conn.execute("SELECT count(*) FROM idempotency.keys_default").fetchone()[0] == 0
+        members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
+        partitions = [n for n in members if re.fullmatch(r"(keys|inbox)_p\d{8}", n)]
+        assert len(partitions) == 8 and not any(members[p] for p in partitions), members
+        run_lifecycle(conn, "ext2")
+
+
 def test_drop_extension_removes_everything(server: PgServer, empty_db: str) -> None:
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION pg_idempotency")
