@@ -24,7 +24,6 @@ from typing import Any
 
 import psycopg
 import pytest
-from conftest import install_built_extension
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
@@ -84,6 +83,16 @@ def apply_migrations(server: PgServer, dsn: str) -> None:
     assert MIGRATIONS, "no migrations/*.sql"
     for migration in MIGRATIONS:
         server.run_psql(dsn, migration, args=INSTALL_ARGS)
+
+
+def reinstall_this_build(server: PgServer) -> None:
+    """Copy this checkout's build/extension/ into the server's extension directory again.
+
+    PostgreSQL 15's is the system one, shared with any other checkout running its tests on
+    this machine, so tests that create the extension put this build's files back first."""
+    from conftest import install_built_extension  # tests/ is on sys.path (pytest rootdir)
+
+    install_built_extension(server)
 
 
 def sources_sql() -> Path:
@@ -217,7 +226,7 @@ def test_extension_keys_in_the_default_partition_are_moved_by_maintain(
 ) -> None:
     """After CREATE EXTENSION (no ranged partitions), claims land in keys_default; the first
     maintain() makes the partitions and moves those keys into them, as non-members."""
-    install_built_extension(server)  # see test_extension_update_from_0_1_0_...
+    reinstall_this_build(server)
     with psycopg.connect(empty_db, autocommit=True) as conn:
         conn.execute("CREATE EXTENSION pg_idempotency")
         run_lifecycle(conn, "ext")
@@ -573,9 +582,7 @@ ORDER BY 1
 
 
 def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) -> None:
-    # PostgreSQL 15's extension directory is the system one, shared with any other checkout
-    # running its tests on this machine: put this build's files back just before using them.
-    install_built_extension(server)
+    reinstall_this_build(server)
     with scratch_db(server, "ext_old") as old, scratch_db(server, "ext_new") as new:
         with psycopg.connect(old, autocommit=True) as conn:
             conn.execute("CREATE EXTENSION pg_idempotency VERSION '0.1.0'")

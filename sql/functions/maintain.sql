@@ -82,7 +82,7 @@ BEGIN
             v_window := NULL;
             DELETE FROM idempotency.tombstones_default;
         ELSE
-            EXECUTE format('DELETE FROM idempotency.%I WHERE %I <= $1', v_parent || '_default',
+            EXECUTE format('DELETE FROM idempotency.%I WHERE %I < $1', v_parent || '_default',
                            CASE v_parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END)
             USING maintain.reference_time - v_window;
         END IF;
@@ -91,7 +91,10 @@ BEGIN
             v_step := ROW('deleted', v_parent, v_parent || '_default', NULL::timestamptz,
                           NULL::timestamptz, v_count,
                           CASE WHEN v_window IS NULL THEN 'settings.tombstones is off'
-                               ELSE format('older than %s (retention)', v_window) END);
+                               ELSE format('older than %s (%s)', v_window,
+                                           CASE v_parent WHEN 'tombstones'
+                                               THEN 'tombstone_retention'
+                                               ELSE 'retention' END) END);
             RETURN NEXT v_step;
         END IF;
 
