@@ -6,7 +6,7 @@
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
-#   make bench   benchmarks (bench/run.py)
+#   make bench   benchmarks (bench/run.py, bench/retention.py)
 #   make clean   remove .venv, build/ and caches
 
 SHELL := /bin/bash
@@ -19,7 +19,8 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check
+DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
+               postgresql-15-cron postgresql-15-partman
 DEB_EXT_DIR := /usr/share/postgresql/15/extension
 SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 
@@ -86,6 +87,7 @@ build-ext: $(STAMP)
 	$(PY) tools/build.py
 
 lint: $(STAMP)
+	$(PY) tools/build.py --check > /dev/null
 	$(VENV)/bin/ruff check -q $(RUFF_PATHS)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
@@ -94,6 +96,7 @@ run: $(STAMP)
 
 bench: setup
 	$(PY) bench/run.py
+	$(PY) bench/retention.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log

@@ -33,6 +33,8 @@ ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
 SOURCES_SQL = ROOT / "build" / "sources.sql"
 INSTALL_ARGS = ("-X", "-v", "ON_ERROR_STOP=1", "-1")
+# What idempotency.migrations holds once every migration is applied: [(1, "0001_core"), ...].
+MIGRATION_ROWS = [(int(p.stem[:4]), p.stem) for p in MIGRATIONS]
 
 LIFECYCLE_CLAIM = """
 SELECT outcome, lease_token, response_status, response_headers, response_body
@@ -81,6 +83,16 @@ def apply_migrations(server: PgServer, dsn: str) -> None:
     assert MIGRATIONS, "no migrations/*.sql"
     for migration in MIGRATIONS:
         server.run_psql(dsn, migration, args=INSTALL_ARGS)
+
+
+def reinstall_this_build(server: PgServer) -> None:
+    """Copy this checkout's build/extension/ into the server's extension directory again.
+
+    PostgreSQL 15's is the system one, shared with any other checkout running its tests on
+    this machine, so tests that create the extension put this build's files back first."""
+    from conftest import install_built_extension  # tests/ is on sys.path (pytest rootdir)
+
+    install_built_extension(server)
 
 
 def sources_sql() -> Path:
@@ -143,8 +155,8 @@ def test_sources_and_migrations_give_the_same_schema(server: PgServer, empty_db:
                 server, dsn, "--schema=idempotency",
                 "--exclude-table-data=idempotency.migrations"))
         with psycopg.connect(migrated) as conn:
-            assert conn.execute("SELECT version, name FROM idempotency.migrations").fetchall() == [
-                (1, "0001_core")]
+            assert conn.execute("SELECT version, name FROM idempotency.migrations ORDER BY 1"
+                                ).fetchall() == MIGRATION_ROWS
     assert "CREATE FUNCTION idempotency.claim(" in dumps["sources"]
     assert re.search(r"CREATE TABLE idempotency\.keys_p\d{8} ", dumps["sources"])
     diff = "\n".join(difflib.unified_diff(
@@ -167,8 +179,8 @@ def test_applying_the_migrations_twice_fails_loudly_and_changes_nothing(
     after = normalize_dump(pg_dump(server, db, "--schema=idempotency"))
     assert after == before, "a failed re-application must leave no trace"
     with psycopg.connect(db) as conn:
-        assert conn.execute("SELECT version, name FROM idempotency.migrations").fetchall() == [
-            (1, "0001_core")]
+        assert conn.execute("SELECT version, name FROM idempotency.migrations ORDER BY 1"
+                            ).fetchall() == MIGRATION_ROWS
         assert conn.execute("SELECT count(*) FROM idempotency.settings").fetchone()[0] == 1
 
 
@@ -207,6 +219,28 @@ def test_extension_lifecycle_and_partition_membership(server: PgServer, empty_db
             assert members[code], f"{code} should belong to the extension: {members}"
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE tableoid::regclass::text "
                             "~ '^idempotency.keys_p'").fetchone()[0] == 2
+
+
+def test_extension_keys_in_the_default_partition_are_moved_by_maintain(
+    server: PgServer, empty_db: str
+) -> None:
+    """After CREATE EXTENSION (no ranged partitions), claims land in keys_default; the first
+    maintain() makes the partitions and moves those keys into them, as non-members."""
+    reinstall_this_build(server)
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_idempotency")
+        run_lifecycle(conn, "ext")
+        assert conn.execute("SELECT DISTINCT tableoid::regclass::text FROM idempotency.keys"
+                            ).fetchall() == [("idempotency.keys_default",)]
+        steps = conn.execute("SELECT action, parent_table, row_count FROM idempotency.maintain()"
+                             ).fetchall()
+        assert ("moved", "keys", 2) in steps and ("moved", "inbox", 1) in steps, steps
+        assert len([s for s in steps if s[0] == "created"]) == 6, steps  # 3 ahead, 2 tables
+        assert conn.execute("SELECT count(*) FROM idempotency.keys_default").fetchone()[0] == 0
+        members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
+        partitions = [n for n in members if re.fullmatch(r"(keys|inbox)_p\d{8}", n)]
+        assert len(partitions) == 8 and not any(members[p] for p in partitions), members
+        run_lifecycle(conn, "ext2")
 
 
 def test_drop_extension_removes_everything(server: PgServer, empty_db: str) -> None:
@@ -515,3 +549,63 @@ def test_hostile_search_path_for_concurrent_claims(server: PgServer, db: str) ->
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'hc'"
                             ).fetchone()[0] == len(keys)
+
+
+# -- ALTER EXTENSION UPDATE ---------------------------------------------------------------------
+
+
+CATALOG_SQL = """
+SELECT 'function ' || p.oid::regprocedure::text || ' ' || md5(pg_get_functiondef(p.oid))
+       || ' ' || coalesce(obj_description(p.oid, 'pg_proc'), '')
+FROM pg_proc AS p WHERE p.pronamespace = 'idempotency'::regnamespace
+UNION ALL
+SELECT 'column ' || c.relname || '.' || a.attname || ' ' || format_type(a.atttypid, a.atttypmod)
+       || ' ' || a.attnotnull || ' ' || coalesce(pg_get_expr(d.adbin, d.adrelid), '')
+FROM pg_attribute AS a JOIN pg_class AS c ON c.oid = a.attrelid
+LEFT JOIN pg_attrdef AS d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind IN ('r', 'p', 'c')
+  AND c.relname !~ '_p[0-9]' AND a.attnum > 0 AND NOT a.attisdropped
+UNION ALL
+SELECT 'constraint ' || conrelid::regclass::text || ' ' || conname || ' '
+       || pg_get_constraintdef(oid)
+FROM pg_constraint WHERE connamespace = 'idempotency'::regnamespace
+  AND conrelid::regclass::text !~ '_p[0-9]'
+UNION ALL
+SELECT 'member ' || pg_describe_object(classid, objid, 0) FROM pg_depend
+WHERE refclassid = 'pg_extension'::regclass AND deptype = 'e'
+  AND refobjid = (SELECT oid FROM pg_extension WHERE extname = 'pg_idempotency')
+UNION ALL
+SELECT 'config ' || unnest(extconfig)::regclass::text FROM pg_extension
+WHERE extname = 'pg_idempotency'
+ORDER BY 1
+"""
+
+
+def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) -> None:
+    reinstall_this_build(server)
+    with scratch_db(server, "ext_old") as old, scratch_db(server, "ext_new") as new:
+        with psycopg.connect(old, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_idempotency VERSION '0.1.0'")
+            conn.execute("SELECT idempotency._premake()")
+            run_lifecycle(conn, "old")
+            conn.execute("UPDATE idempotency.settings SET retention = '2 days'")
+            conn.execute("ALTER EXTENSION pg_idempotency UPDATE")
+            assert conn.execute("SELECT extversion FROM pg_extension "
+                                "WHERE extname = 'pg_idempotency'").fetchone()[0] == "0.2.0"
+            # The keys and settings of 0.1.0 are kept; the new settings take their defaults.
+            assert conn.execute("SELECT outcome FROM idempotency.claim('old', 'k1', %s)",
+                                (Jsonb({"amount": 50, "currency": "EUR"}),)).fetchone()[0] == (
+                "replay")
+            assert conn.execute("SELECT retention::text, tombstones, manage_partitions "
+                                "FROM idempotency.settings").fetchone() == ("2 days", False, True)
+            assert conn.execute("SELECT count(*) FROM idempotency.maintain()").fetchone()[0] >= 0
+            updated = conn.execute(CATALOG_SQL).fetchall()
+        with psycopg.connect(new, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION pg_idempotency")
+            assert conn.execute("SELECT extversion FROM pg_extension "
+                                "WHERE extname = 'pg_idempotency'").fetchone()[0] == "0.2.0"
+            fresh = conn.execute(CATALOG_SQL).fetchall()
+    assert ("config idempotency.tombstones_default",) in fresh
+    diff = "\n".join(difflib.unified_diff([r[0] for r in fresh], [r[0] for r in updated],
+                                          "CREATE EXTENSION", "0.1.0 + UPDATE", lineterm=""))
+    assert not diff, f"the updated extension differs from a fresh one:\n{diff[:6000]}"

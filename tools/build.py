@@ -5,10 +5,19 @@ sql/manifest.txt lists the source files (one object per file) in install order.
 
     tools/build.py                     build/sources.sql and the CREATE EXTENSION package
                                        (build/extension/), made from migrations/
-    tools/build.py --migration N NAME  (re)write migrations/NNNN_NAME.sql from sql/; only for a
-                                       migration that has not been released yet
-    tools/build.py --check             fail when migrations/0001_core.sql differs from what the
-                                       sources generate (true while 0001 is the only migration)
+    tools/build.py --migration N NAME  (re)write migrations/NNNN_NAME.sql; only for a migration
+                                       that has not been released yet
+    tools/build.py --check             fail when a migration differs from what its sources
+                                       generate
+
+Migration 0001 is the whole manifest. Every later migration N has a recipe,
+sql/upgrades/NNNN_NAME.sql: plain SQL (ALTER TABLE ...) plus lines
+
+    -- @include PATH    the source sql/PATH as it is (a new object)
+    -- @replace PATH    the source sql/PATH with CREATE FUNCTION turned into CREATE OR REPLACE
+                        FUNCTION (a changed function; keeps its grants)
+
+so that the migration carries only what changed since N - 1.
 
 Migrations are append-only history; sql/ is the current definition. tests/test_install.py
 checks that installing sql/ and applying migrations/ give the same schema.
@@ -25,22 +34,28 @@ ROOT = Path(__file__).resolve().parent.parent
 SQL = ROOT / "sql"
 MIGRATIONS = ROOT / "migrations"
 BUILD = ROOT / "build"
+UPGRADES = SQL / "upgrades"
 EXTENSION = "pg_idempotency"
-VERSION = "0.1.0"
+# The extension version each migration brings the schema to: CREATE EXTENSION installs the
+# last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later migration.
+VERSIONS = {1: "0.1.0", 2: "0.2.0"}
+VERSION = VERSIONS[max(VERSIONS)]
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
 # keys (until maintenance moves them out), the sequence's position is what keeps fencing
 # tokens increasing after a restore, and settings hold what the operator chose (its row is made
 # by _premake(), never by the script, so restoring it cannot collide). Ranged partitions are
 # not members at all (see sql/functions/_create_partition.sql), so they are dumped like any
 # table.
-EXTENSION_EPILOGUE = """
--- Dumped with the data, not re-created empty, by pg_dump and pg_restore.
-SELECT pg_catalog.pg_extension_config_dump('idempotency.keys_default', '');
-SELECT pg_catalog.pg_extension_config_dump('idempotency.inbox_default', '');
-SELECT pg_catalog.pg_extension_config_dump('idempotency.lease_token_seq', '');
-SELECT pg_catalog.pg_extension_config_dump('idempotency.settings', '');
-SELECT pg_catalog.set_config('idempotency.creating_extension', 'off', true);
-"""
+# Per migration: the tables it adds whose rows pg_dump must keep.
+CONFIG_DUMP = {
+    1: ["idempotency.keys_default", "idempotency.inbox_default", "idempotency.lease_token_seq",
+        "idempotency.settings"],
+    2: ["idempotency.tombstones_default"],
+}
+EXTENSION_PROLOGUE = (
+    "-- Tells sql/bootstrap.sql that it runs inside CREATE EXTENSION (see there).\n"
+    "SELECT pg_catalog.set_config('idempotency.creating_extension', 'on', true);\n"
+)
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -52,7 +67,8 @@ def manifest() -> list[Path]:
             files.append(SQL / line)
     listed = {f.resolve() for f in files}
     unlisted = sorted(
-        str(p.relative_to(ROOT)) for p in SQL.rglob("*.sql") if p.resolve() not in listed
+        str(p.relative_to(ROOT)) for p in SQL.rglob("*.sql")
+        if p.resolve() not in listed and UPGRADES not in p.parents
     )
     if unlisted:
         sys.exit(f"build.py: sources missing from sql/manifest.txt: {', '.join(unlisted)}")
@@ -66,13 +82,46 @@ def sources_sql() -> str:
     return "\n".join(parts)
 
 
+DIRECTIVE_RE = re.compile(r"^-- @(include|replace) (\S+)$")
+CREATE_FUNCTION_RE = re.compile(r"^CREATE FUNCTION ", re.MULTILINE)
+
+
+def recipe_sql(version: int, name: str) -> str:
+    """Expand sql/upgrades/NNNN_NAME.sql (see the module docstring)."""
+    recipe = UPGRADES / f"{version:04d}_{name}.sql"
+    if not recipe.exists():
+        sys.exit(f"build.py: migration {version} needs its recipe {recipe.relative_to(ROOT)}")
+    known = {p.resolve() for p in manifest()}
+    out = []
+    for line in recipe.read_text().splitlines():
+        m = DIRECTIVE_RE.match(line)
+        if not m:
+            out.append(line)
+            continue
+        path = SQL / m.group(2)
+        if path.resolve() not in known:
+            sys.exit(f"build.py: {recipe.name}: {m.group(2)} is not in sql/manifest.txt")
+        text = path.read_text().rstrip()
+        if m.group(1) == "replace":
+            text, n = CREATE_FUNCTION_RE.subn("CREATE OR REPLACE FUNCTION ", text)
+            if n != 1:
+                sys.exit(f"build.py: @replace {m.group(2)}: expected one CREATE FUNCTION")
+        out.append(f"-- {path.relative_to(ROOT)}\n{text}\n")
+    return "\n".join(out).rstrip() + "\n"
+
+
 def migration_text(version: int, name: str) -> str:
+    if version == 1:
+        origin, body = "from sql/ (sql/manifest.txt order)", sources_sql()
+    else:
+        origin = f"from sql/upgrades/{version:04d}_{name}.sql"
+        body = recipe_sql(version, name)
     return (
         f"-- pg_idempotency migration {version:04d}_{name}.\n"
-        "-- Generated by tools/build.py from sql/ (sql/manifest.txt order); do not edit by hand.\n"
+        f"-- Generated by tools/build.py {origin}; do not edit by hand.\n"
         "-- Plain SQL for any migration tool: apply the files in lexical order, each in one\n"
         "-- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).\n\n"
-        + sources_sql()
+        + body
         + "\n-- Record this migration, whichever tool applied it.\n"
         "INSERT INTO idempotency.migrations (version, name)\n"
         f"VALUES ({version}, '{version:04d}_{name}')\n"
@@ -88,18 +137,38 @@ def migrations() -> list[Path]:
     return found
 
 
-def build() -> None:
-    (BUILD / "extension").mkdir(parents=True, exist_ok=True)
-    (BUILD / "sources.sql").write_text(sources_sql())
-    script = [
-        f'\\echo Use "CREATE EXTENSION {EXTENSION}" to load this file. \\quit\n',
-        "-- Tells sql/bootstrap.sql that it runs inside CREATE EXTENSION (see there).\n"
-        "SELECT pg_catalog.set_config('idempotency.creating_extension', 'on', true);\n",
-    ]
-    for path in migrations():
+def extension_script(paths: list[Path], numbers: list[int], command: str) -> str:
+    """Migrations ``paths`` (numbered ``numbers``) as one extension script."""
+    script = [f'\\echo Use "{command}" to load this file. \\quit\n', EXTENSION_PROLOGUE]
+    for path in paths:
         script.append(f"-- {path.relative_to(ROOT)}\n{path.read_text()}")
-    script.append(EXTENSION_EPILOGUE)
-    (BUILD / "extension" / f"{EXTENSION}--{VERSION}.sql").write_text("\n".join(script))
+    epilogue = ["", "-- Dumped with the data, not re-created empty, by pg_dump and pg_restore."]
+    epilogue += [f"SELECT pg_catalog.pg_extension_config_dump('{table}', '');"
+                 for n in numbers for table in CONFIG_DUMP.get(n, [])]
+    epilogue.append("SELECT pg_catalog.set_config('idempotency.creating_extension', 'off', true);")
+    script.append("\n".join(epilogue) + "\n")
+    return "\n".join(script)
+
+
+def build() -> None:
+    ext = BUILD / "extension"
+    ext.mkdir(parents=True, exist_ok=True)
+    for old in ext.glob(f"{EXTENSION}--*.sql"):  # a stale upgrade script must not linger
+        old.unlink()
+    (BUILD / "sources.sql").write_text(sources_sql())
+    paths = migrations()
+    numbers = [int(MIGRATION_RE.match(p.name).group(1)) for p in paths]
+    if sorted(VERSIONS) != numbers:
+        sys.exit(f"build.py: VERSIONS {VERSIONS} must name one version per migration {numbers}")
+    # A full script for the first and the last version (CREATE EXTENSION ... VERSION '0.1.0'
+    # is how the tests reach an old install), and one upgrade script per later migration.
+    for last in sorted({numbers[0], numbers[-1]}):
+        upto = [n for n in numbers if n <= last]
+        (ext / f"{EXTENSION}--{VERSIONS[last]}.sql").write_text(extension_script(
+            paths[:len(upto)], upto, f"CREATE EXTENSION {EXTENSION}"))
+    for i, n in enumerate(numbers[1:], start=1):
+        (ext / f"{EXTENSION}--{VERSIONS[numbers[i - 1]]}--{VERSIONS[n]}.sql").write_text(
+            extension_script([paths[i]], [n], f"ALTER EXTENSION {EXTENSION} UPDATE"))
     (BUILD / "extension" / f"{EXTENSION}.control").write_text(
         "# pg_idempotency: idempotency keys inside PostgreSQL (made by tools/build.py)\n"
         "comment = 'Idempotency keys: claim, lease, fence, complete, replay'\n"
@@ -120,11 +189,19 @@ def main() -> int:
         print(f"wrote {target.relative_to(ROOT)}")
         return 0
     if args.check:
-        current = (MIGRATIONS / "0001_core.sql").read_text()
-        if len(migrations()) == 1 and current != migration_text(1, "core"):
-            print("migrations/0001_core.sql is stale: run tools/build.py --migration 1 core")
-            return 1
-        return 0
+        stale = []
+        found = migrations()
+        for path in found:
+            number, name = MIGRATION_RE.match(path.name).groups()
+            version = int(number)
+            # 0001 is released and made from the whole manifest: comparable only while alone.
+            if version == 1 and len(found) > 1:
+                continue
+            if path.read_text() != migration_text(version, name):
+                stale.append(f"{path.relative_to(ROOT)} is stale: run tools/build.py "
+                             f"--migration {version} {name}")
+        print("\n".join(stale) or "migrations are up to date")
+        return 1 if stale else 0
     build()
     return 0
 

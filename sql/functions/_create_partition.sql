@@ -1,4 +1,4 @@
--- Creates one partition of idempotency.keys or idempotency.inbox, unless it exists. Returns
+-- Creates one partition of idempotency.keys, inbox or tombstones, unless it exists. Returns
 -- true when it made one. A range that overlaps an existing partition (say, one pg_partman made)
 -- or rows already in the default partition is left alone and reported as not created.
 CREATE FUNCTION idempotency._create_partition(
@@ -15,10 +15,10 @@ DECLARE
         _create_partition.upper_bound - _create_partition.lower_bound);
     v_oid oid;
 BEGIN
-    IF _create_partition.parent NOT IN ('keys', 'inbox') THEN
+    IF _create_partition.parent NOT IN ('keys', 'inbox', 'tombstones') THEN
         RAISE EXCEPTION USING
-            MESSAGE = format('idempotency._create_partition: argument "parent" must be keys or '
-                             'inbox, not %s', to_json(_create_partition.parent)),
+            MESSAGE = format('idempotency._create_partition: argument "parent" must be keys, '
+                             'inbox or tombstones, not %s', to_json(_create_partition.parent)),
             ERRCODE = 'IK014', COLUMN = 'parent';
     END IF;
     IF to_regclass(format('idempotency.%I', v_name)) IS NOT NULL THEN
@@ -32,9 +32,10 @@ BEGIN
                            'FOR VALUES FROM (%L) TO (%L) WITH (fillfactor = 80)',
                            v_name, _create_partition.lower_bound, _create_partition.upper_bound);
         ELSE
-            EXECUTE format('CREATE TABLE idempotency.%I PARTITION OF idempotency.inbox '
+            EXECUTE format('CREATE TABLE idempotency.%I PARTITION OF idempotency.%I '
                            'FOR VALUES FROM (%L) TO (%L)',
-                           v_name, _create_partition.lower_bound, _create_partition.upper_bound);
+                           v_name, _create_partition.parent, _create_partition.lower_bound,
+                           _create_partition.upper_bound);
         END IF;
     EXCEPTION
         -- 42P17: overlaps another partition; 23514: rows for this range sit in the default
@@ -60,6 +61,6 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency._create_partition(text, timestamptz, timestamptz) IS
-'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys or
-idempotency.inbox; false when it exists, overlaps another one, or rows for it are in the default
+'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys, inbox or
+tombstones; false when it exists, overlaps another one, or rows for it are in the default
 partition.';

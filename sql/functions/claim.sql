@@ -5,7 +5,8 @@
 -- lease expired; you own it under a higher token and should reconcile from recovery_point),
 -- replay (completed: return the stored response), in_progress (someone holds a live lease:
 -- retry after retry_after), mismatch (the key was used with a different request: never execute,
--- never replay).
+-- never replay), expired (maintain() dropped the key after its retention and kept only a
+-- tombstone, settings.tombstones: never execute, never replay).
 CREATE FUNCTION idempotency.claim(
     scope text,
     key text,
@@ -79,6 +80,14 @@ BEGIN
             WHERE e.scope = claim.scope AND e.key = claim.key
               AND e.created_at < v_now + interval '1 hour'
         )
+        -- Tombstones: with settings.tombstones off, maintain() keeps this table empty and the
+        -- lookup is one probe of an empty index.
+        AND NOT EXISTS (
+            SELECT FROM idempotency.tombstones AS t
+            WHERE t.scope = claim.scope
+              AND t.key_hash = sha256(convert_to(claim.key, 'UTF8'))
+              AND t.expires_at > v_now
+        )
         RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
                   NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
                   NULL::interval, k.created_at, NULL::timestamptz
@@ -91,7 +100,22 @@ BEGIN
         FROM idempotency.keys AS k
         WHERE k.scope = claim.scope AND k.key = claim.key
           AND k.created_at < v_now + interval '1 hour';
-        CONTINUE WHEN NOT FOUND;  -- released since the insert looked: insert again
+        IF NOT FOUND THEN
+            -- Only a tombstone (the key expired and maintain() dropped it), or the key was
+            -- released (or dropped) since the insert looked: then insert again.
+            SELECT 'expired', t.response_status, t.created_at
+            INTO v_result.outcome, v_result.response_status, v_result.created_at
+            FROM idempotency.tombstones AS t
+            WHERE t.scope = claim.scope
+              AND t.key_hash = sha256(convert_to(claim.key, 'UTF8'))
+              AND t.expires_at > v_now
+            ORDER BY t.created_at DESC
+            LIMIT 1;
+            IF FOUND THEN
+                RETURN v_result;
+            END IF;
+            CONTINUE;
+        END IF;
 
         IF v_existing.fingerprint <> v_fingerprint THEN
             IF claim.strict THEN
@@ -125,6 +149,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
-'Claim an idempotency key: outcome claimed | resumed | replay | in_progress | mismatch (with
-strict => true a mismatch raises IK002). Pass request (hashed by idempotency.fingerprint) or your
-own 32-byte fingerprint. reference_time is for tests; leave it NULL. See docs/sql-api.md.';
+'Claim an idempotency key: outcome claimed | resumed | replay | in_progress | mismatch |
+expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is for tests; leave it
+NULL. See docs/sql-api.md.';

@@ -13,11 +13,31 @@ CREATE TABLE idempotency.settings (
     retention interval NOT NULL DEFAULT '24 hours'
     CHECK (retention >= interval '1 hour' AND extract(MONTH FROM retention) = 0),
     -- How many partitions ahead of the current one are kept ready.
-    premake integer NOT NULL DEFAULT 3 CHECK (premake BETWEEN 1 AND 366)
+    premake integer NOT NULL DEFAULT 3 CHECK (premake BETWEEN 1 AND 366),
+    -- The columns below came with migration 0002 (maintenance); ALTER TABLE ADD COLUMN appends,
+    -- so they stay last here to keep a fresh install identical to an upgraded one.
+    -- Opt-in: when maintain() drops expired keys it first keeps a compact record of each (see
+    -- idempotency.tombstones), and a retry of such a key gets outcome 'expired'.
+    tombstones boolean NOT NULL DEFAULT false,
+    -- How long a tombstone is kept (measured from the key's created_at, like retention).
+    tombstone_retention interval NOT NULL DEFAULT '30 days'
+    CHECK (extract(MONTH FROM tombstone_retention) = 0),
+    -- false: maintain() leaves the partitions of keys and inbox alone (pg_partman manages them).
+    manage_partitions boolean NOT NULL DEFAULT true,
+    -- How long maintain() waits for a lock on a table before it skips a step: a drop or create
+    -- must never queue an exclusive lock in front of live claims for long.
+    maintenance_lock_timeout interval NOT NULL DEFAULT '200 milliseconds'
+    CHECK (
+        maintenance_lock_timeout >= interval '1 millisecond'
+        AND maintenance_lock_timeout <= interval '1 minute'
+    ),
+    -- Tombstones outlive the keys they stand for, or there would be no window for them.
+    CONSTRAINT settings_tombstones_outlive_keys CHECK (tombstone_retention > retention)
 );
 
 COMMENT ON TABLE idempotency.settings IS
-'pg_idempotency settings (exactly one row): partition_interval, retention, premake.';
+'pg_idempotency settings (exactly one row): partition_interval, retention, premake, tombstones,
+tombstone_retention, manage_partitions, maintenance_lock_timeout.';
 
 -- The row is not inserted here but by the first idempotency._premake() (sql/bootstrap.sql runs
 -- it at install). Inside CREATE EXTENSION a row made by the script could never be dumped: the

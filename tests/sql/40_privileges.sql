@@ -541,11 +541,15 @@ SELECT results_eq(
         ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
         ('_create_partition', 'v'), ('_finish', 'v'), ('_headers_ok', 'i'),
         ('_invalid_argument', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
-        ('_lock_name', 'v'), ('_name_ok', 'i'), ('_partition_name', 'i'), ('_premake', 'v'),
-        ('_require_read_committed', 's'), ('_resume_existing', 'v'), ('canonical_json', 'i'),
+        ('_lock_name', 'v'), ('_make_partitions', 'v'), ('_name_ok', 'i'),
+        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
+        ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
+        ('_write_tombstones', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
-        ('inbox_accept', 'v'), ('list_abandoned', 'v'), ('release', 'v'), ('takeover', 'v')$$,
+        ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
+        ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
+        ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,
     'every function has its intended volatility (pure: immutable; reads: stable; writes, '
     || 'locks or always raises: volatile)'
 );

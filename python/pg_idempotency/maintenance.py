@@ -1,0 +1,217 @@
+"""Retention maintenance and status, from Python: the code behind ``pg-idempotency maintain``
+and ``pg-idempotency status``.
+
+Entry points (each takes an open psycopg 3 connection to the database with the schema):
+
+:func:`run_maintenance`
+    Run ``idempotency.maintain()``, each attempt in its own transaction, and retry (a few
+    times, with a pause) while a step was skipped because a table lock was not granted within
+    ``settings.maintenance_lock_timeout``. Returns every step of every attempt.
+:func:`format_report`
+    The steps as a readable text table.
+:func:`fetch_status`
+    ``idempotency.key_status()`` and ``idempotency.partition_status()``: keys by scope and
+    state, expired leases, partitions with rows, sizes and when they will be dropped.
+:func:`format_status`
+    That status as readable text tables, with the next drop.
+
+A CLI subcommand is a thin wrapper::
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        print(format_report(run_maintenance(conn)))
+        print(format_status(fetch_status(conn)))
+
+Why no ``DETACH PARTITION ... CONCURRENTLY``: PostgreSQL refuses it on a table that has a
+default partition, and ``idempotency.keys`` keeps one as the safety net that lets a claim
+succeed when no partition exists for its time. The plain drop in ``maintain()`` waits at most
+``settings.maintenance_lock_timeout`` for its lock and skips otherwise, so retrying a little
+later (which :func:`run_maintenance` does) is the way around a busy moment.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any
+
+import psycopg
+from psycopg import pq
+from psycopg.rows import dict_row
+
+__all__ = [
+    "MaintenanceStep",
+    "Status",
+    "fetch_status",
+    "format_report",
+    "format_status",
+    "run_maintenance",
+]
+
+_MAINTAIN = """
+SELECT action, parent_table, partition_name, lower_bound, upper_bound, row_count, reason
+FROM idempotency.maintain(reference_time => coalesce(%(reference_time)s::timestamptz, now()))
+"""
+_KEY_STATUS = """
+SELECT scope, state, keys, oldest_created_at, oldest_key, expired_leases, oldest_expired_lease
+FROM idempotency.key_status(reference_time => %(reference_time)s::timestamptz)
+"""
+_PARTITION_STATUS = """
+SELECT parent_table, partition_name, lower_bound, upper_bound, row_count, total_bytes,
+       drop_after, note
+FROM idempotency.partition_status(reference_time => %(reference_time)s::timestamptz)
+"""
+#: The words maintain() uses when a lock was not granted in time (sql/functions/maintain.sql).
+_LOCK_SKIPS = ("was not locked within", "could not lock")
+
+
+@dataclass(frozen=True)
+class MaintenanceStep:
+    """One row of ``idempotency.maintain()``'s report, and the attempt that produced it."""
+
+    action: str  #: created | moved | deleted | tombstoned | dropped | skipped
+    parent_table: str | None  #: keys | inbox | tombstones; None when the whole run skipped
+    partition_name: str | None
+    lower_bound: datetime | None
+    upper_bound: datetime | None
+    row_count: int | None
+    reason: str | None
+    attempt: int = 1
+
+    @property
+    def skipped_for_a_lock(self) -> bool:
+        """True when the step was skipped because a lock was not granted in time."""
+        return self.action == "skipped" and any(w in (self.reason or "") for w in _LOCK_SKIPS)
+
+
+def run_maintenance(
+    conn: psycopg.Connection[Any],
+    reference_time: datetime | None = None,
+    *,
+    attempts: int = 3,
+    retry_delay: float = 2.0,
+) -> list[MaintenanceStep]:
+    """Run ``idempotency.maintain(reference_time)``; retry while it skipped a step for a lock.
+
+    Each attempt runs and commits in its own transaction, so ``conn`` must not be inside a
+    transaction (an autocommit connection, or one that is idle). ``reference_time`` defaults to
+    the server's ``now()``. At most ``attempts`` runs, ``retry_delay`` seconds apart. Another
+    run already in progress is not retried: it does the work. Returns the steps of all
+    attempts, in order (``MaintenanceStep.attempt`` says which).
+    """
+    if attempts < 1:
+        raise ValueError("attempts must be at least 1")
+    if conn.info.transaction_status != pq.TransactionStatus.IDLE:
+        raise ValueError("run_maintenance commits each run: call it outside a transaction")
+    steps: list[MaintenanceStep] = []
+    for attempt in range(1, attempts + 1):
+        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+            rows = cur.execute(_MAINTAIN, {"reference_time": reference_time}).fetchall()
+        this_run = [MaintenanceStep(**row, attempt=attempt) for row in rows]
+        steps.extend(this_run)
+        if not any(s.skipped_for_a_lock for s in this_run) or attempt == attempts:
+            break
+        time.sleep(retry_delay)
+    return steps
+
+
+@dataclass(frozen=True)
+class Status:
+    """What :func:`fetch_status` read: one dict per row of each status function."""
+
+    keys: list[dict[str, Any]] = field(default_factory=list)
+    partitions: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def next_drop(self) -> dict[str, Any] | None:
+        """The partition maintain() will drop first (smallest ``drop_after``), if any."""
+        due = [p for p in self.partitions if p["drop_after"] is not None]
+        return min(due, key=lambda p: p["drop_after"]) if due else None
+
+
+def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None = None
+                 ) -> Status:
+    """Read ``idempotency.key_status()`` and ``idempotency.partition_status()``.
+
+    Both read every row (exact counts), so this is for an operator's look, not a scrape loop.
+    Runs in the caller's transaction if there is one.
+    """
+    params = {"reference_time": reference_time}
+    with conn.cursor(row_factory=dict_row) as cur:
+        keys = cur.execute(_KEY_STATUS, params).fetchall()
+        partitions = cur.execute(_PARTITION_STATUS, params).fetchall()
+    return Status(keys=keys, partitions=partitions)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, datetime):
+        return value.isoformat(sep=" ", timespec="seconds")
+    return str(value)
+
+
+def _size(n: int | None) -> str:
+    if n is None:
+        return ""
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB"):
+        if size < 1024 or unit == "GB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> str:
+    """A plain text table: a header, a rule, one line per row; numbers right-aligned."""
+    cells = [[_cell(v) for v in row] for row in rows]
+    numeric = [all(isinstance(row[i], int) or row[i] is None for row in rows) and bool(rows)
+               for i in range(len(headers))]
+    widths = [max([len(h)] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
+
+    out = [line(list(headers)), line(["-" * w for w in widths])]
+    out += [line(r) for r in cells]
+    return "\n".join(out)
+
+
+def format_report(steps: Sequence[MaintenanceStep]) -> str:
+    """The steps of :func:`run_maintenance` as a text table (or a line saying there were none)."""
+    if not steps:
+        return "maintenance: nothing to do"
+    show_attempt = any(s.attempt > 1 for s in steps)
+    headers = ["action", "table", "partition", "from", "to", "rows", "reason"]
+    if show_attempt:
+        headers.insert(0, "attempt")
+    rows = []
+    for s in steps:
+        row: list[Any] = [s.action, s.parent_table, s.partition_name, s.lower_bound,
+                          s.upper_bound, s.row_count, s.reason]
+        if show_attempt:
+            row.insert(0, s.attempt)
+        rows.append(row)
+    return text_table(headers, rows)
+
+
+def format_status(status: Status) -> str:
+    """:func:`fetch_status`'s result as text: keys, then partitions, then the next drop."""
+    keys = text_table(
+        ["scope", "state", "keys", "oldest", "oldest in progress", "expired leases",
+         "oldest expired lease"],
+        [[k["scope"], k["state"], k["keys"], k["oldest_created_at"], k["oldest_key"],
+          k["expired_leases"], k["oldest_expired_lease"]] for k in status.keys],
+    ) if status.keys else "keys: none"
+    partitions = text_table(
+        ["table", "partition", "from", "to", "rows", "size", "drop after", "note"],
+        [[p["parent_table"], p["partition_name"], p["lower_bound"], p["upper_bound"],
+          p["row_count"], _size(p["total_bytes"]), p["drop_after"], p["note"]]
+         for p in status.partitions],
+    )
+    nxt = status.next_drop
+    next_line = (f"next drop: {nxt['parent_table']}.{nxt['partition_name']} "
+                 f"at {_cell(nxt['drop_after'])}" if nxt else "next drop: none scheduled")
+    return f"{keys}\n\n{partitions}\n\n{next_line}"

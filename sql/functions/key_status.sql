@@ -1,0 +1,35 @@
+-- Observability, for operators (pg-idempotency status): keys by scope and state, the oldest key
+-- in progress, expired leases nobody has taken over yet, live tombstones. It reads every row,
+-- so run it on demand, not on every scrape of a busy system.
+CREATE FUNCTION idempotency.key_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.key_status
+LANGUAGE sql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT k.scope,
+           k.state,
+           count(*),
+           min(k.created_at),
+           (array_agg(k.key ORDER BY k.created_at) FILTER (WHERE k.state = 'in_progress'))[1],
+           count(*) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= coalesce(reference_time, clock_timestamp())
+           ),
+           min(k.lease_expires_at) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= coalesce(reference_time, clock_timestamp())
+           )
+    FROM idempotency.keys AS k
+    GROUP BY k.scope, k.state
+    UNION ALL
+    SELECT t.scope, 'tombstone', count(*), min(t.created_at), NULL, NULL, NULL
+    FROM idempotency.tombstones AS t
+    WHERE t.expires_at > coalesce(reference_time, clock_timestamp())
+    GROUP BY t.scope
+    ORDER BY 1, 2
+$$;
+
+COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS
+'Keys per scope and state (in_progress, completed, tombstone): count, oldest, the oldest key in
+progress, expired leases waiting for takeover. Reads every row.';
