@@ -101,10 +101,10 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
             if "error" in step:
                 codes.add(step["error"]["sqlstate"])
     assert {o for c, o in outcomes if c == "claim"} == {
-        "claimed", "resumed", "replay", "in_progress", "mismatch"}
+        "claimed", "resumed", "replay", "in_progress", "mismatch", "expired"}
     assert {o for c, o in outcomes if c == "takeover"} == {"resumed", "replay", "in_progress"}
     documented = _documented_codes()
-    assert len(documented) == 12, documented
+    assert len(documented) == 13, documented
     assert documented <= codes, f"not covered: {sorted(documented - codes)}"
     assert set(API["functions"]) <= calls, f"never called: {set(API['functions']) - calls}"
 

@@ -60,6 +60,7 @@ from .core import DEFAULT_LEASE, StoredResponse
 from .errors import (
     AlreadyCompleted,
     InvalidArgument,
+    KeyExpired,
     KeyInProgress,
     KeyMismatch,
     KeyNotFound,
@@ -175,6 +176,11 @@ class IdempotencyMiddleware:
                     await _problem(send, 422, f"{self.header_name} reused",
                                    f"This {self.header_name} was used with a different "
                                    "request. Use a new key for a new request.")
+                    return
+                except KeyExpired:
+                    await _problem(send, 422, f"{self.header_name} expired",
+                                   f"This {self.header_name} was used and has expired. Use a "
+                                   "new key for a new request.")
                     return
                 except KeyInProgress as exc:
                     retry_after = exc.retry_after

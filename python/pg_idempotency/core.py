@@ -30,6 +30,7 @@ from psycopg.types.json import Jsonb
 from . import queries as Q
 from .errors import (
     AlreadyCompleted,
+    KeyExpired,
     KeyInProgress,
     KeyMismatch,
     KeyNotFound,
@@ -56,6 +57,9 @@ class Outcome(str, Enum):
     REPLAY = "replay"  #: completed before with the same request: return the stored response
     IN_PROGRESS = "in_progress"  #: someone holds a live lease: 409, retry after retry_after
     MISMATCH = "mismatch"  #: the key was used with another request: 422
+    #: the key was dropped after its retention and only a tombstone remains
+    #: (settings.tombstones): never execute, nothing to replay; answer 422
+    EXPIRED = "expired"
 
     @property
     def owned(self) -> bool:
@@ -437,6 +441,9 @@ class OperationCore:
         if result.outcome is Outcome.MISMATCH:
             raise KeyMismatch(f"key {self.key!r} in scope {self.scope!r} was used with a "
                               "different request")
+        if result.outcome is Outcome.EXPIRED:
+            raise KeyExpired(f"key {self.key!r} in scope {self.scope!r} expired: it was used "
+                             "and dropped after its retention")
         if result.outcome is Outcome.IN_PROGRESS:
             raise KeyInProgress(f"key {self.key!r} in scope {self.scope!r} is in progress",
                                 retry_after=result.retry_after,

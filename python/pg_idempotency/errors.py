@@ -20,6 +20,8 @@ the caller as psycopg raised them.
     │   ├── ArgumentWrongType     IK015
     │   └── ArgumentConflict      IK016
     ├── KeyInProgress             outcome in_progress (no SQLSTATE: claim returns it)
+    ├── KeyExpired                outcome expired (no SQLSTATE: claim returns it)
+    ├── PgCronNotInstalled        IK020
     └── UsageError                the Python API was used wrongly (no SQLSTATE)
 """
 
@@ -32,8 +34,8 @@ import psycopg
 __all__ = [
     "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
-    "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyInProgress",
-    "KeyMismatch", "KeyNotFound", "LeaseLost", "UsageError", "from_psycopg",
+    "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
+    "KeyMismatch", "KeyNotFound", "LeaseLost", "PgCronNotInstalled", "UsageError", "from_psycopg",
     "invalid_argument",
 ]
 
@@ -139,6 +141,18 @@ class KeyInProgress(IdempotencyError):
         self.recovery_point = recovery_point
 
 
+class KeyExpired(IdempotencyError):
+    """The key was used, then dropped after its retention; a tombstone remains
+    (settings.tombstones). Never execute, nothing to replay: answer 422 and ask for a new key.
+    Raised by :func:`pg_idempotency.operation`, not by the engine."""
+
+
+class PgCronNotInstalled(IdempotencyError):
+    """IK020: schedule_maintenance / unschedule_maintenance without pg_cron here."""
+
+    sqlstate = "IK020"
+
+
 class UsageError(IdempotencyError):
     """The Python API was used in a way that cannot be right (e.g. an operation started
     inside an open transaction, or a block that ended without complete())."""
@@ -150,6 +164,7 @@ _BY_SQLSTATE: dict[str, type[IdempotencyError]] = {
     "IK003": KeyNotFound,
     "IK004": AlreadyCompleted,
     "IK005": IsolationNotSupported,
+    "IK020": PgCronNotInstalled,
 }
 _INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
     "IK010": ArgumentNull,
