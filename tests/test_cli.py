@@ -56,8 +56,10 @@ def test_console_script_is_installed() -> None:
         ((), ["migrate", "sql", "--version", "--dsn", "DATABASE_URL"]),
         (("migrate",), ["--dsn", "DATABASE_URL", "up to date"]),
         (("sql",), ["psql", "idempotency.migrations"]),
+        (("maintain",), ["--dsn", "DATABASE_URL", "retention", "--attempts", "Exit status 3"]),
+        (("status",), ["--dsn", "DATABASE_URL", "next drop"]),
     ],
-    ids=["main", "migrate", "sql"],
+    ids=["main", "migrate", "sql", "maintain", "status"],
 )
 def test_help(args: tuple[str, ...], needles: list[str]) -> None:
     proc = run(*args, "--help")
@@ -183,3 +185,39 @@ def test_schema_missing(empty_db: str, monkeypatch: pytest.MonkeyPatch,
     assert "pg-idempotency migrate" in err[0] and ran == []
     assert cli.main(["migrate", "--dsn", empty_db]) == 0
     assert cli.main(["probe", "--dsn", empty_db]) == 0 and ran == ["x"]
+
+
+def test_maintain_and_status(empty_db: str) -> None:
+    """maintain re-creates a partition made ahead that went missing and prints that step;
+    status shows the key claimed."""
+    assert run("migrate", "--dsn", empty_db).returncode == 0
+    last_ahead = ("SELECT partition_name FROM idempotency.partition_status() "
+                  "WHERE parent_table = 'keys' AND lower_bound IS NOT NULL "
+                  "ORDER BY lower_bound DESC LIMIT 1")
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("SELECT idempotency.claim('acct_cli', 'k1', '{}')")
+        (victim,) = conn.execute(last_ahead).fetchone()
+        conn.execute(sql.SQL("DROP TABLE idempotency.{}").format(sql.Identifier(victim)))
+        assert conn.execute(last_ahead).fetchone()[0] != victim
+    proc = run("maintain", "--dsn", empty_db)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr == ""
+    assert victim in proc.stdout and "created" in proc.stdout, proc.stdout
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        assert conn.execute(last_ahead).fetchone()[0] == victim
+
+    proc = run("status", "--dsn", empty_db, env={"DATABASE_URL": "ignored://"})
+    assert proc.returncode == 0, proc.stderr
+    assert "acct_cli" in proc.stdout and "in_progress" in proc.stdout
+
+
+@pytest.mark.parametrize("command", ["maintain", "status"])
+def test_maintain_and_status_without_schema(empty_db: str, command: str) -> None:
+    assert_one_line_error(run(command, "--dsn", empty_db),
+                          "idempotency schema is not installed", "pg-idempotency migrate")
+
+
+@pytest.mark.parametrize("command", ["maintain", "status"])
+def test_maintain_and_status_unreachable(command: str) -> None:
+    assert_one_line_error(run(command, "--dsn", f"postgresql://x@127.0.0.1:{closed_port()}/x"),
+                          "cannot connect")

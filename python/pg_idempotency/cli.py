@@ -2,6 +2,8 @@
 
     pg-idempotency migrate [--dsn DSN]     apply pending migrations (DSN defaults to $DATABASE_URL)
     pg-idempotency sql > install.sql       print all migrations as one SQL script
+    pg-idempotency maintain [--dsn DSN]    retention: partitions ahead, expired partitions dropped
+    pg-idempotency status [--dsn DSN]      keys by scope and state, partitions, the next drop
     pg-idempotency demo [--dsn DSN]        the payments example under a retry storm (extra: demo)
     pg-idempotency --version
 
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import __version__, queries
+from . import __version__, maintenance, queries
 from .migrate import MigrationError, install_sql, migrate, migrations
 
 PROG = "pg-idempotency"
@@ -100,6 +102,41 @@ def cmd_demo(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
         raise CliError(f"demo failed: {_describe(exc)}") from None
 
 
+def cmd_maintain(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    assert conn is not None
+    try:
+        steps = maintenance.run_maintenance(conn, attempts=args.attempts,
+                                            retry_delay=args.retry_delay)
+    except psycopg.Error as exc:
+        raise CliError(f"maintain failed: {_describe(exc)}") from None
+    print(maintenance.format_report(steps))
+    # A step still skipped for a lock after every attempt is worth a non-zero status, so that
+    # a CronJob shows it; a run skipped because another run held the lock is not.
+    last = max((s.attempt for s in steps), default=1)
+    if any(s.skipped_for_a_lock and s.attempt == last for s in steps):
+        print(f"{PROG}: some partitions were skipped: a lock was not granted in time; "
+              "run again later", file=sys.stderr)
+        return 3
+    return 0
+
+
+def maintain_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attempts", type=_positive, default=3, metavar="N",
+                   help="runs at most, while a step is skipped for a lock (default 3)")
+    p.add_argument("--retry-delay", type=float, default=2.0, metavar="SECONDS",
+                   help="pause between those runs (default 2)")
+
+
+def cmd_status(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    assert conn is not None
+    try:
+        status = maintenance.fetch_status(conn)
+    except psycopg.Error as exc:
+        raise CliError(f"status failed: {_describe(exc)}") from None
+    print(maintenance.format_status(status))
+    return 0
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -135,6 +172,24 @@ COMMANDS: list[Command] = [
         "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
         "-d DSN. The script records its versions in idempotency.migrations, so a later "
         "'pg-idempotency migrate' applies only newer migrations.",
+    ),
+    Command(
+        "maintain", run=cmd_maintain, database=True, needs_schema=True,
+        arguments=maintain_arguments,
+        help="run retention maintenance once (for cron or a Kubernetes CronJob)",
+        description="Run idempotency.maintain(): create partitions ahead, move rows out of "
+        "the default partition, write tombstones if enabled, drop partitions wholly older "
+        "than the retention. A drop never waits long for its lock: it is skipped and "
+        "reported, and the run is retried a few times. Prints every step. Exit status 3 "
+        "when a partition was still skipped for a lock after the last attempt. See "
+        "docs/maintenance.md.",
+    ),
+    Command(
+        "status", run=cmd_status, database=True, needs_schema=True,
+        help="show keys by scope and state, expired leases, partitions and the next drop",
+        description="Print idempotency.key_status() and idempotency.partition_status() as "
+        "text tables: keys per scope and state, the oldest in-progress key, expired leases "
+        "waiting for a takeover, partitions with row counts and sizes, and the next drop.",
     ),
     Command(
         "demo", run=cmd_demo, database=True, arguments=demo_arguments,

@@ -40,6 +40,8 @@ import psycopg
 from psycopg import pq
 from psycopg.rows import dict_row
 
+from . import queries as Q
+
 __all__ = [
     "MaintenanceStep",
     "Status",
@@ -49,19 +51,6 @@ __all__ = [
     "run_maintenance",
 ]
 
-_MAINTAIN = """
-SELECT action, parent_table, partition_name, lower_bound, upper_bound, row_count, reason
-FROM idempotency.maintain(reference_time => coalesce(%(reference_time)s::timestamptz, now()))
-"""
-_KEY_STATUS = """
-SELECT scope, state, keys, oldest_created_at, oldest_key, expired_leases, oldest_expired_lease
-FROM idempotency.key_status(reference_time => %(reference_time)s::timestamptz)
-"""
-_PARTITION_STATUS = """
-SELECT parent_table, partition_name, lower_bound, upper_bound, row_count, total_bytes,
-       drop_after, note
-FROM idempotency.partition_status(reference_time => %(reference_time)s::timestamptz)
-"""
 #: The words maintain() uses when a lock was not granted in time (sql/functions/maintain.sql).
 _LOCK_SKIPS = ("was not locked within", "could not lock")
 
@@ -107,7 +96,7 @@ def run_maintenance(
     steps: list[MaintenanceStep] = []
     for attempt in range(1, attempts + 1):
         with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(_MAINTAIN, {"reference_time": reference_time}).fetchall()
+            rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time}).fetchall()
         this_run = [MaintenanceStep(**row, attempt=attempt) for row in rows]
         steps.extend(this_run)
         if not any(s.skipped_for_a_lock for s in this_run) or attempt == attempts:
@@ -139,8 +128,8 @@ def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None 
     """
     params = {"reference_time": reference_time}
     with conn.cursor(row_factory=dict_row) as cur:
-        keys = cur.execute(_KEY_STATUS, params).fetchall()
-        partitions = cur.execute(_PARTITION_STATUS, params).fetchall()
+        keys = cur.execute(Q.KEY_STATUS, params).fetchall()
+        partitions = cur.execute(Q.PARTITION_STATUS, params).fetchall()
     return Status(keys=keys, partitions=partitions)
 
 

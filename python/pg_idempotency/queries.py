@@ -84,6 +84,22 @@ SELECT idempotency.fingerprint(
     fields => %(fields)s::text[]) AS fingerprint
 """
 
+# -- retention (maintenance.py) ----------------------------------------------------------
+
+MAINTAIN: Final = """
+SELECT action, parent_table, partition_name, lower_bound, upper_bound, row_count, reason
+FROM idempotency.maintain(reference_time => coalesce(%(reference_time)s::timestamptz, now()))
+"""
+KEY_STATUS: Final = """
+SELECT scope, state, keys, oldest_created_at, oldest_key, expired_leases, oldest_expired_lease
+FROM idempotency.key_status(reference_time => %(reference_time)s::timestamptz)
+"""
+PARTITION_STATUS: Final = """
+SELECT parent_table, partition_name, lower_bound, upper_bound, row_count, total_bytes,
+       drop_after, note
+FROM idempotency.partition_status(reference_time => %(reference_time)s::timestamptz)
+"""
+
 # -- the installed schema (migrate.py keeps its own statements next to its lock) -------------
 
 SCHEMA_INSTALLED: Final = (
