@@ -48,7 +48,7 @@ def claim_works(dsn: str) -> None:
 def test_bundled_migrations_are_the_repository_files() -> None:
     bundled = migrations()
     assert [m.filename for m in bundled] == [p.name for p in REPO_MIGRATIONS]
-    assert [m.version for m in bundled] == list(range(1, len(bundled) + 1))
+    assert [m.version for m in bundled] == [int(p.name[:4]) for p in REPO_MIGRATIONS]
     for m, path in zip(bundled, REPO_MIGRATIONS, strict=True):
         assert m.sql == path.read_text(encoding="utf-8"), f"{m.filename} differs from the repo"
 
@@ -145,6 +145,8 @@ def test_concurrent_installers(empty_db: str, isolation: psycopg.IsolationLevel 
     assert errors == []
     assert len(results) == RACERS
     expected = [m.version for m in migrations()]
-    assert sorted(results, key=len, reverse=True) == [expected] + [[]] * (RACERS - 1)
+    # Each migration commits on its own, so with several of them two racers may share the work
+    # (one applies 0001, another 0003): each version is applied by exactly one racer.
+    assert sorted(v for applied in results for v in applied) == expected
     assert [r["version"] for r in version_rows(empty_db)] == expected
     claim_works(empty_db)

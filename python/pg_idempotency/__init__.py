@@ -16,6 +16,7 @@ layer over them (docs/python.md):
 
 from .api import (
     Operation,
+    accept,
     checkpoint,
     claim,
     complete,
@@ -46,7 +47,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DEFAULT_LEASE", "AbandonedKey", "AlreadyCompleted", "ClaimResult", "IdempotencyError",
     "InvalidArgument", "IsolationNotSupported", "KeyInProgress", "KeyMismatch", "KeyNotFound",
-    "LeaseLost", "Operation", "Outcome", "StoredResponse", "UsageError", "checkpoint", "claim",
-    "complete", "derive_key", "heartbeat", "idempotent", "inbox_accept", "list_abandoned",
+    "LeaseLost", "Operation", "Outcome", "StoredResponse", "UsageError", "accept", "checkpoint",
+    "claim", "complete", "derive_key", "heartbeat", "idempotent", "inbox_accept", "list_abandoned",
     "operation", "release", "takeover",
 ]

@@ -21,7 +21,7 @@ import psycopg
 from . import core
 from .core import DEFAULT_LEASE, OperationCore, StoredResponse
 
-__all__ = ["Operation", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
+__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
            "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
 claim = core._async(core.claim)
@@ -29,6 +29,7 @@ takeover = core._async(core.takeover)
 checkpoint = core._async(core.checkpoint)
 heartbeat = core._async(core.heartbeat)
 complete = core._async(core.complete)
+accept = core._async(core.accept)
 release = core._async(core.release)
 list_abandoned = core._async(core.list_abandoned)
 inbox_accept = core._async(core.inbox_accept)
@@ -63,8 +64,14 @@ class Operation:
         return await core._arun(self.conn,
                                 self._core.g_complete(status, body, headers, content_type))
 
+    async def accept(self, status: int, body: Any = None, *,
+                     headers: Mapping[str, str] | None = None,
+                     lease: timedelta | float | None = None) -> StoredResponse:
+        """Hand the operation over to a worker (see :meth:`pg_idempotency.Operation.accept`)."""
+        return await core._arun(self.conn, self._core.g_accept(status, body, headers, lease))
+
     def __getattr__(self, name: str) -> Any:
-        # scope, key, outcome, replay, response, recovery_point, attempts, lease_token,
+        # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
         # claim_result, derive_key(), mark_side_effect()
         return getattr(self._core, name)
 

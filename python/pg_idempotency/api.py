@@ -20,7 +20,7 @@ import psycopg
 from . import core
 from .core import DEFAULT_LEASE, OperationCore, StoredResponse
 
-__all__ = ["Operation", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
+__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
            "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
 claim = core._sync(core.claim)
@@ -28,6 +28,7 @@ takeover = core._sync(core.takeover)
 checkpoint = core._sync(core.checkpoint)
 heartbeat = core._sync(core.heartbeat)
 complete = core._sync(core.complete)
+accept = core._sync(core.accept)
 release = core._sync(core.release)
 list_abandoned = core._sync(core.list_abandoned)
 inbox_accept = core._sync(core.inbox_accept)
@@ -60,8 +61,16 @@ class Operation:
         """Store the response and commit it with the business writes."""
         return core._run(self.conn, self._core.g_complete(status, body, headers, content_type))
 
+    def accept(self, status: int, body: Any = None, *,
+               headers: Mapping[str, str] | None = None,
+               lease: timedelta | float | None = None) -> StoredResponse:
+        """Hand the operation over to a worker: store the interim response (e.g. 202 and a
+        status URL) and commit it with the writes made so far (the enqueued job). Retries
+        get it back (``op.accepted``) until the worker completes with ``op.lease_token``."""
+        return core._run(self.conn, self._core.g_accept(status, body, headers, lease))
+
     def __getattr__(self, name: str) -> Any:
-        # scope, key, outcome, replay, response, recovery_point, attempts, lease_token,
+        # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
         # claim_result, derive_key(), mark_side_effect()
         return getattr(self._core, name)
 

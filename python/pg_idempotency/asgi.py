@@ -185,8 +185,11 @@ class IdempotencyMiddleware:
                 except KeyInProgress as exc:
                     retry_after = exc.retry_after
                 else:
-                    if op.replay is not None:
-                        await _send_replay(send, op.replay)
+                    stored = op.replay if op.replay is not None else op.accepted
+                    if stored is not None:
+                        # replay, or a worker's interim answer (outcome accepted): the same
+                        # response again, never a second execution.
+                        await _send_replay(send, stored)
                     else:
                         await self._execute(op, scope, receive, send, body)
                     return

@@ -56,6 +56,9 @@ class Outcome(str, Enum):
     RESUMED = "resumed"  #: the previous lease expired: you own it, reconcile from recovery_point
     REPLAY = "replay"  #: completed before with the same request: return the stored response
     IN_PROGRESS = "in_progress"  #: someone holds a live lease: 409, retry after retry_after
+    #: a long-running operation holds a live lease and stored an interim response with
+    #: accept() (e.g. 202 and a status URL): answer it again
+    ACCEPTED = "accepted"
     MISMATCH = "mismatch"  #: the key was used with another request: 422
     #: the key was dropped after its retention and only a tombstone remains
     #: (settings.tombstones): never execute, nothing to replay; answer 422
@@ -98,7 +101,8 @@ class StoredResponse:
 
 @dataclass(frozen=True)
 class ClaimResult:
-    """One row of ``idempotency.claim_result``; ``response`` is set for a replay."""
+    """One row of ``idempotency.claim_result``; ``response`` is set for a replay (the final
+    response) and for accepted (the interim response)."""
 
     outcome: Outcome
     lease_token: int | None
@@ -113,7 +117,7 @@ class ClaimResult:
     def from_row(cls, row: Mapping[str, Any]) -> ClaimResult:
         outcome = Outcome(row["outcome"])
         response = None
-        if outcome is Outcome.REPLAY:
+        if outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
             body_bytes = row["response_body_bytes"]
             response = StoredResponse(
                 status=row["response_status"],
@@ -341,6 +345,21 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     return row["completed_at"]  # type: ignore[no-any-return]
 
 
+def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
+           headers: Mapping[str, str] | None = None, lease: timedelta | float | None = None,
+           reference_time: datetime | None = None) -> _Gen[datetime]:
+    """``idempotency.accept``: store an interim response (a JSON body, or None) on a key you
+    hold, in the transaction that hands the work over (the one that enqueues the job);
+    optionally extend the lease. Returns the lease expiry."""
+    row = yield _Query(Q.ACCEPT, {
+        "scope": scope, "key": key, "lease_token": lease_token, "status": status,
+        "body": _jsonb(body) if body is not None else None,
+        "headers": _jsonb(dict(headers or {})), "lease": _interval(lease),
+        "reference_time": reference_time,
+    })
+    return row["lease_expires_at"]  # type: ignore[no-any-return]
+
+
 def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
     """``idempotency.release``: for a failure before any side effect; the key is deleted."""
     yield _Query(Q.RELEASE, {"scope": scope, "key": key, "lease_token": lease_token})
@@ -393,7 +412,9 @@ class OperationCore:
         self.claim_result: ClaimResult | None = None
         #: The stored response when the key was completed before (outcome replay), else None.
         self.replay: StoredResponse | None = None
-        #: The response this block stored with complete(), else None.
+        #: The interim response when a long-running operation holds the key (outcome accepted).
+        self.accepted: StoredResponse | None = None
+        #: The response this block stored with complete() or accept(), else None.
         self.response: StoredResponse | None = None
         self.recovery_point: str | None = None
         self._token: int | None = None
@@ -451,6 +472,9 @@ class OperationCore:
         if result.outcome is Outcome.REPLAY:
             self.replay = result.response
             return
+        if result.outcome is Outcome.ACCEPTED:
+            self.accepted = result.response
+            return
         self._token = result.lease_token
         # A resumed key's earlier attempt may have called downstream: never release it.
         self._side_effects = result.outcome is Outcome.RESUMED
@@ -460,6 +484,9 @@ class OperationCore:
         if self.replay is not None:
             raise UsageError(f"{what}: the key was completed before (outcome replay); return "
                              "op.replay instead of executing again")
+        if self.accepted is not None:
+            raise UsageError(f"{what}: a worker holds the key (outcome accepted); return "
+                             "op.accepted instead of executing again")
         if self._done:
             raise UsageError(f"{what}: the operation is already completed")
         if self._token is None:
@@ -492,6 +519,21 @@ class OperationCore:
             content_type=(content_type or "application/octet-stream") if is_bytes
             else ("application/json" if body is not None else None),
             completed_at=completed_at)
+        return self.response
+
+    def g_accept(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
+                 lease: timedelta | float | None = None) -> _Gen[StoredResponse]:
+        """Hand the operation over: store the interim response and commit it with the writes
+        of this transaction (the enqueued job). The lease now belongs to the worker, who
+        heartbeats it and completes with ``op.lease_token``; the block must end here."""
+        token = self._owner_token("accept()")
+        yield from accept(self.scope, self.key, token, status, body, headers=headers,
+                          lease=lease, reference_time=self._reference_time)
+        yield _Tx.COMMIT
+        self._done = True
+        self.response = StoredResponse(
+            status=status, headers=dict(headers or {}), body=body,
+            content_type="application/json" if body is not None else None)
         return self.response
 
     def g_exit(self, exc: BaseException | None) -> _Gen[None]:

@@ -53,6 +53,14 @@ SELECT idempotency.complete_bytes(
     reference_time => %(reference_time)s::timestamptz) AS completed_at
 """
 
+ACCEPT: Final = """
+SELECT idempotency.accept(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
+    lease => %(lease)s::interval,
+    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+"""
+
 RELEASE: Final = """
 SELECT idempotency.release(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint)
@@ -68,6 +76,25 @@ INBOX_ACCEPT: Final = """
 SELECT idempotency.inbox_accept(
     consumer => %(consumer)s::text, message_id => %(message_id)s::text,
     reference_time => %(reference_time)s::timestamptz) AS accepted
+"""
+
+# -- the job queue of long-running operations (pgmq; pg_idempotency.jobs) ---------------------
+
+PGMQ_INSTALLED: Final = "SELECT pg_catalog.to_regnamespace('pgmq') IS NOT NULL AS installed"
+PGMQ_CREATE: Final = "SELECT pgmq.create(queue_name => %(queue)s::text)"
+PGMQ_SEND: Final = """
+SELECT msg_id FROM pgmq.send(queue_name => %(queue)s::text, msg => %(msg)s::jsonb) AS msg_id
+"""
+PGMQ_READ: Final = """
+SELECT msg_id, read_ct, message FROM pgmq.read(
+    queue_name => %(queue)s::text, vt => %(vt)s::integer, qty => 1)
+"""
+PGMQ_SET_VT: Final = """
+SELECT msg_id FROM pgmq.set_vt(
+    queue_name => %(queue)s::text, msg_id => %(msg_id)s::bigint, vt => %(vt)s::integer)
+"""
+PGMQ_DELETE: Final = """
+SELECT pgmq.delete(queue_name => %(queue)s::text, msg_id => %(msg_id)s::bigint) AS deleted
 """
 
 # -- fingerprints (docs/fingerprint.md) -----------------------------------------------------

@@ -1,5 +1,6 @@
 -- What a claim or a takeover of an existing, matching key gets: the stored response, the
--- owner's remaining lease, or, when the lease has expired, the key itself under a new token.
+-- owner's remaining lease (with its interim response, if accept() stored one), or, when the
+-- lease has expired, the key itself under a new token.
 -- Returns NULL when the takeover lost a race (the owner heartbeated, completed or released in
 -- between); the caller then reads the key again.
 CREATE FUNCTION idempotency._resume_existing(
@@ -29,6 +30,15 @@ BEGIN
 
     IF (_resume_existing.existing).lease_expires_at > _resume_existing.reference_time THEN
         v_result.outcome := 'in_progress';
+        -- An owner that stored an interim response with accept() gets it replayed: every retry
+        -- of a long-running operation sees the same 202 (and status URL) until it completes.
+        IF (_resume_existing.existing).response_status IS NOT NULL THEN
+            v_result.outcome := 'accepted';
+            v_result.response_status := (_resume_existing.existing).response_status;
+            v_result.response_headers := (_resume_existing.existing).response_headers;
+            v_result.response_body := (_resume_existing.existing).response_body;
+            v_result.response_content_type := (_resume_existing.existing).response_content_type;
+        END IF;
         v_result.lease_expires_at := (_resume_existing.existing).lease_expires_at;
         v_result.recovery_point := (_resume_existing.existing).recovery_point;
         v_result.attempts := (_resume_existing.existing).attempts;
@@ -62,4 +72,5 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency._resume_existing(idempotency.keys, interval, timestamptz) IS
-'Internal: replay, report in progress, or take over an existing key whose fingerprint matched.';
+'Internal: replay, report in progress or accepted, or take over an existing key whose
+fingerprint matched.';

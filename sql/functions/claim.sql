@@ -3,7 +3,8 @@
 --
 -- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
 -- lease expired; you own it under a higher token and should reconcile from recovery_point),
--- replay (completed: return the stored response), in_progress (someone holds a live lease:
+-- replay (completed: return the stored response), accepted (a long-running operation's owner
+-- stored an interim response with accept(): return it), in_progress (someone holds a live lease:
 -- retry after retry_after), mismatch (the key was used with a different request: never execute,
 -- never replay), expired (maintain() dropped the key after its retention and kept only a
 -- tombstone, settings.tombstones: never execute, never replay).
@@ -149,7 +150,7 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
-'Claim an idempotency key: outcome claimed | resumed | replay | in_progress | mismatch |
-expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
+mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
 idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is for tests; leave it
 NULL. See docs/sql-api.md.';

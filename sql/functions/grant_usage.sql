@@ -21,6 +21,8 @@ BEGIN
         || 'idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz), '
         || 'idempotency.complete_bytes(text, text, bigint, integer, bytea, text, jsonb, '
         || 'timestamptz), '
+        || 'idempotency.accept(text, text, bigint, integer, jsonb, jsonb, interval, '
+        || 'timestamptz), '
         || 'idempotency.release(text, text, bigint), '
         || 'idempotency.takeover(text, text, interval, timestamptz), '
         || 'idempotency.list_abandoned(integer, text, timestamptz), '
@@ -38,5 +40,5 @@ $$;
 
 COMMENT ON FUNCTION idempotency.grant_usage(regrole) IS
 'Let grantee call the lifecycle functions (claim, checkpoint, heartbeat, complete,
-complete_bytes, release, takeover, list_abandoned, inbox_accept, fingerprint, canonical_json,
-derive_key) without any privilege on the tables.';
+complete_bytes, accept, release, takeover, list_abandoned, inbox_accept, fingerprint,
+canonical_json, derive_key) without any privilege on the tables.';

@@ -34,8 +34,9 @@ CREATE TABLE idempotency.keys (
 -- for each INSERT and UPDATE statement, which on this table cost about 5% of claim + complete
 -- throughput. Only the idempotency.* functions write here (no role has table privileges), they
 -- validate every value first, and tests/sql assert the invariants these checks would state:
--- fingerprint is 32 bytes; state is in_progress (lease_expires_at set) or completed
--- (response_status and completed_at set); at most one of response_body, response_body_bytes.
+-- fingerprint is 32 bytes; state is in_progress (lease_expires_at set; response_* set only by
+-- accept(), the interim response of a long-running operation) or completed (response_status
+-- and completed_at set); at most one of response_body, response_body_bytes.
 
 -- No index serves idempotency.list_abandoned(): an index on lease_expires_at (or a partial one
 -- on state) would make every complete() a non-HOT update and cost the hot path a second index

@@ -1,6 +1,6 @@
 -- What claim() and takeover() return. Columns are public API: clients read them by name.
 CREATE TYPE idempotency.claim_result AS (
-    -- claimed | resumed | replay | in_progress | mismatch | expired
+    -- claimed | resumed | replay | accepted | in_progress | mismatch | expired
     outcome text,
     -- Fencing token: set for claimed and resumed only (never reveals another owner's token).
     lease_token bigint,

@@ -134,9 +134,9 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND has_function_privilege('idem_t40_app', p.oid, 'EXECUTE')
       ORDER BY 1$$,
-    $$VALUES ('_check_name'), ('_invalid_argument'), ('canonical_json'), ('checkpoint'),
-             ('claim'), ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'),
-             ('heartbeat'), ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
+    $$VALUES ('_check_name'), ('_invalid_argument'), ('accept'), ('canonical_json'),
+             ('checkpoint'), ('claim'), ('complete'), ('complete_bytes'), ('derive_key'),
+             ('fingerprint'), ('heartbeat'), ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
     'grant_usage: EXECUTE on the public functions and the two validation helpers only'
 );
 SELECT is_empty(
@@ -544,7 +544,7 @@ SELECT results_eq(
         ('_lock_name', 'v'), ('_make_partitions', 'v'), ('_name_ok', 'i'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
-        ('_write_tombstones', 'v'), ('canonical_json', 'i'),
+        ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
         ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
@@ -556,7 +556,7 @@ SELECT results_eq(
 SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
-    $$VALUES ('checkpoint'), ('claim'), ('complete'), ('complete_bytes'), ('heartbeat'),
+    $$VALUES ('accept'), ('checkpoint'), ('claim'), ('complete'), ('complete_bytes'), ('heartbeat'),
              ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
     'SECURITY DEFINER exactly on the lifecycle functions'
 );

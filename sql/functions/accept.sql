@@ -1,0 +1,87 @@
+-- For long-running operations: the owner answers "202 Accepted" now and finishes later (a worker
+-- that heartbeats the lease and calls complete). Call it in the transaction that hands the work
+-- over (the one that enqueues the job), so that the hand-off and the interim response commit
+-- together or not at all. Until complete, a claim of the key under a live lease returns outcome
+-- accepted with this response instead of in_progress, so every retry gets the same answer.
+--
+-- Storage: the interim response lives in the response_* columns of the row, which stays
+-- in_progress (no column of its own: complete() overwrites them with the final response, and a
+-- row is "accepted" exactly when it is in progress with response_status set). Fenced like
+-- complete(): a stale token raises IK001, IK003 or IK004 and the hand-off rolls back with it.
+CREATE FUNCTION idempotency.accept(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    lease interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(accept.reference_time, clock_timestamp());
+    v_headers jsonb := coalesce(accept.headers, '{}');
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
+                    AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
+                    AND idempotency._headers_ok(v_headers)
+                    AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
+                    false) THEN
+        PERFORM idempotency._check_name('idempotency.accept', 'scope', accept.scope);
+        PERFORM idempotency._check_name('idempotency.accept', 'key', accept.key);
+        IF accept.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.accept', 'lease_token', 'IK010',
+                                                  'must not be NULL');
+        END IF;
+        IF accept.status IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK010',
+                                                  'must not be NULL');
+        ELSIF accept.status NOT BETWEEN 100 AND 599 THEN
+            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK014',
+                                                  'must be an HTTP status code (100 to 599)',
+                                                  format('It is %s.', accept.status));
+        END IF;
+        PERFORM idempotency._check_headers('idempotency.accept', 'headers', v_headers);
+        IF accept.lease IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
+        END IF;
+    END IF;
+
+    UPDATE idempotency.keys AS k
+    SET response_status = accept.status,
+        response_headers = v_headers,
+        response_body = accept.body,
+        response_body_bytes = NULL,
+        response_content_type =
+            CASE WHEN accept.body IS NULL THEN NULL ELSE 'application/json' END,
+        lease_expires_at = CASE WHEN accept.lease IS NULL THEN k.lease_expires_at
+            ELSE greatest(k.lease_expires_at, v_now + accept.lease) END
+    WHERE k.scope = accept.scope AND k.key = accept.key
+      AND k.lease_token = accept.lease_token AND k.state = 'in_progress'
+      -- Lets the executor skip the partitions made ahead (see claim()).
+      AND k.created_at < v_now + interval '1 hour'
+    RETURNING k.lease_expires_at INTO v_expires;
+    IF NOT FOUND THEN
+        PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,
+                                         accept.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.accept(
+    text, text, bigint, integer, jsonb, jsonb, interval, timestamptz
+) IS
+'Store an interim response (e.g. 202 Accepted with a status URL) on a key you hold, in the
+transaction that hands the work over; optionally extend the lease to at least now + lease.
+Returns the lease expiry. Until complete(), claims under a live lease get outcome accepted with
+this response. Raises IK001 (lease lost), IK003 (no such key) or IK004 (already completed).';

@@ -1,0 +1,156 @@
+"""Long-running operations through pgmq: accept() and the job commit together, retries get the
+same 202 while a worker runs the job under the key's lease, a dead worker's job is resumed once.
+
+PostgreSQL 18 only: the SQL underneath is tested on both servers by tests/sql/70_accept.sql.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import pg_idempotency as idem
+from pg_idempotency import jobs
+
+pytestmark = pytest.mark.parametrize("server", ["pg18"], indirect=True)
+
+QUEUE = "captures"
+SCOPE = "acct_1"
+LEASE = 1.0  # seconds: a dead worker's job comes back after about this long
+
+
+@pytest.fixture
+def qdb(db: str) -> Iterator[str]:
+    with psycopg.connect(db, autocommit=True) as conn:
+        assert jobs.install_pgmq(conn)
+        jobs.create_queue(conn, QUEUE)
+        conn.execute("CREATE TABLE captured (key text PRIMARY KEY, amount int, resumed bool)")
+    yield db
+
+
+def request(conn: psycopg.Connection[Any], key: str, *, crash: bool = False) -> tuple[int, Any]:
+    """What the HTTP handler does: the same 202 while the job runs, the final answer after."""
+    with idem.operation(conn, SCOPE, key, {"amount": 50}, lease=LEASE) as op:
+        if op.replay or op.accepted:
+            answer = op.replay or op.accepted
+            return answer.status, answer.body
+        jobs.enqueue(conn, QUEUE, op, {"amount": 50})
+        if crash:
+            raise RuntimeError("crash between enqueue and accept")
+        stored = op.accept(202, {"status_url": f"/captures/{key}", "state": "pending"})
+        return stored.status, stored.body
+
+
+def capture(job: jobs.Job) -> tuple[int, Any]:
+    job.conn.execute("INSERT INTO captured VALUES (%s, %s, %s)",
+                     (job.key, job.payload["amount"], job.resumed))
+    return 200, {"state": "captured", "amount": job.payload["amount"]}
+
+
+def messages_sent(conn: psycopg.Connection[Any]) -> int:
+    return conn.execute("SELECT total_messages FROM pgmq.metrics(%s)", (QUEUE,)).fetchone()[0]
+
+
+def test_retries_while_the_job_runs_get_the_same_202(qdb: str) -> None:
+    started, finish = threading.Event(), threading.Event()
+    runs = []
+
+    def slow_capture(job: jobs.Job) -> tuple[int, Any]:
+        runs.append(job.lease_token)
+        started.set()
+        assert finish.wait(10)
+        return capture(job)
+
+    with psycopg.connect(qdb, autocommit=True) as conn, \
+            psycopg.connect(qdb, autocommit=True) as wconn, \
+            psycopg.connect(qdb, autocommit=True) as hconn:
+        first = request(conn, "k1")
+        assert first == (202, {"status_url": "/captures/k1", "state": "pending"})
+        worker = jobs.Worker(wconn, hconn, QUEUE, slow_capture, lease=LEASE,
+                             heartbeat_every=0.2)
+        thread = threading.Thread(target=worker.run_once)
+        thread.start()
+        assert started.wait(10)
+        answers = []
+        for _ in range(20):  # 20 retries over 2 lease lengths: the heartbeats keep it accepted
+            answers.append(request(conn, "k1"))
+            time.sleep(0.1)
+        finish.set()
+        thread.join(10)
+        assert answers == [first] * 20
+        assert len(runs) == 1
+        assert messages_sent(conn) == 1
+        assert worker.run_once() is False  # the message went with the completion
+        final = request(conn, "k1")
+        assert final == (200, {"state": "captured", "amount": 50})
+        assert conn.execute("SELECT count(*) FROM captured").fetchone()[0] == 1
+
+
+def test_a_killed_worker_is_resumed_once_after_the_lease(qdb: str) -> None:
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def stuck(job: jobs.Job) -> tuple[int, Any]:
+        job.conn.execute("INSERT INTO captured VALUES (%s, 0, false)", (job.key,))
+        started.set()
+        job.conn.execute("SELECT pg_sleep(30)")  # killed in here
+        return 200, {}
+
+    def run(worker: jobs.Worker) -> None:
+        try:
+            worker.run_once()
+        except BaseException as exc:  # noqa: BLE001 - the test looks at it
+            errors.append(exc)
+
+    with psycopg.connect(qdb, autocommit=True) as conn:
+        assert request(conn, "k2")[0] == 202
+        dead_w = psycopg.connect(qdb, autocommit=True)
+        dead_h = psycopg.connect(qdb, autocommit=True)
+        worker = jobs.Worker(dead_w, dead_h, QUEUE, stuck, lease=LEASE, heartbeat_every=0.2)
+        thread = threading.Thread(target=run, args=(worker,))
+        thread.start()
+        assert started.wait(10)
+        # The worker dies: the server ends both of its sessions.
+        conn.execute("SELECT pg_terminate_backend(pid) FROM (VALUES (%s), (%s)) AS t(pid)",
+                     (dead_w.info.backend_pid, dead_h.info.backend_pid))
+        thread.join(10)
+        assert errors and isinstance(errors[0], psycopg.OperationalError)
+        dead_w.close()
+        dead_h.close()
+        # Until the lease runs out, retries still get the 202.
+        assert request(conn, "k2")[0] == 202
+        with psycopg.connect(qdb, autocommit=True) as wconn, \
+                psycopg.connect(qdb, autocommit=True) as hconn:
+            worker = jobs.Worker(wconn, hconn, QUEUE, capture, lease=LEASE)
+            deadline = time.monotonic() + 10
+            while not worker.run_once():
+                assert time.monotonic() < deadline, "the message never came back"
+                time.sleep(0.1)
+            assert worker.run_once() is False
+        assert conn.execute("SELECT key, resumed FROM captured").fetchall() == [("k2", True)]
+        assert request(conn, "k2") == (200, {"state": "captured", "amount": 50})
+        row = conn.execute("SELECT attempts, state FROM idempotency.keys WHERE key = 'k2'"
+                           ).fetchone()
+        assert row == (2, "completed")  # one takeover: resumed once
+        assert messages_sent(conn) == 1
+
+
+def test_a_crash_between_enqueue_and_accept_leaves_neither(qdb: str) -> None:
+    with psycopg.connect(qdb, autocommit=True) as conn:
+        with pytest.raises(RuntimeError, match="crash between"):
+            request(conn, "k3", crash=True)
+        assert conn.execute(f"SELECT count(*) FROM pgmq.q_{QUEUE}").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'k3'"
+                            ).fetchone()[0] == 0  # released: nothing had happened
+        # The retry starts cleanly: a new claim, one job, the 202.
+        assert request(conn, "k3") == (202, {"status_url": "/captures/k3", "state": "pending"})
+        assert conn.execute(f"SELECT count(*) FROM pgmq.q_{QUEUE}").fetchone()[0] == 1
+        with psycopg.connect(qdb, autocommit=True) as wconn, \
+                psycopg.connect(qdb, autocommit=True) as hconn:
+            assert jobs.Worker(wconn, hconn, QUEUE, capture, lease=LEASE).run_once()
+        assert request(conn, "k3") == (200, {"state": "captured", "amount": 50})
