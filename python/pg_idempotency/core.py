@@ -351,13 +351,22 @@ def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None
     """``idempotency.accept``: store an interim response (a JSON body, or None) on a key you
     hold, in the transaction that hands the work over (the one that enqueues the job);
     optionally extend the lease. Returns the lease expiry."""
+    row = yield from _accept_row(scope, key, lease_token, status, body, headers=headers,
+                                 lease=lease, reference_time=reference_time)
+    return row["lease_expires_at"]  # type: ignore[no-any-return]
+
+
+def _accept_row(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
+                headers: Mapping[str, str] | None = None, lease: timedelta | float | None = None,
+                reference_time: datetime | None = None) -> _Gen[dict[str, Any]]:
+    """:func:`accept`'s row: ``lease_expires_at`` and ``body`` as jsonb stored it."""
     row = yield _Query(Q.ACCEPT, {
         "scope": scope, "key": key, "lease_token": lease_token, "status": status,
         "body": _jsonb(body) if body is not None else None,
         "headers": _jsonb(dict(headers or {})), "lease": _interval(lease),
         "reference_time": reference_time,
     })
-    return row["lease_expires_at"]  # type: ignore[no-any-return]
+    return row  # type: ignore[no-any-return]
 
 
 def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
@@ -527,12 +536,15 @@ class OperationCore:
         of this transaction (the enqueued job). The lease now belongs to the worker, who
         heartbeats it and completes with ``op.lease_token``; the block must end here."""
         token = self._owner_token("accept()")
-        yield from accept(self.scope, self.key, token, status, body, headers=headers,
-                          lease=lease, reference_time=self._reference_time)
+        row = yield from _accept_row(self.scope, self.key, token, status, body,
+                                     headers=headers, lease=lease,
+                                     reference_time=self._reference_time)
         yield _Tx.COMMIT
         self._done = True
+        # The body as stored (jsonb's key order and numbers), so that this answer and every
+        # replay of it are the same bytes.
         self.response = StoredResponse(
-            status=status, headers=dict(headers or {}), body=body,
+            status=status, headers=dict(headers or {}), body=row["body"],
             content_type="application/json" if body is not None else None)
         return self.response
 

@@ -58,7 +58,9 @@ SELECT idempotency.accept(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
     lease => %(lease)s::interval,
-    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at,
+    -- the body as jsonb stores it (key order, numbers): what a replay of it will send
+    %(body)s::jsonb AS body
 """
 
 RELEASE: Final = """
