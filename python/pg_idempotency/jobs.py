@@ -21,7 +21,8 @@ connection, while the handler's writes, ``complete`` and the deletion of the mes
 one transaction on the first. If the worker dies, the lease and the message's visibility run
 out together; the next reader of the message takes the key over (outcome resumed, a new fencing
 token, the recovery point) and runs the handler again, and the dead worker's token is fenced.
-Sync connections only, for now.
+The worker takes sync connections; an async handler (the ASGI middleware's) enqueues with
+:func:`aenqueue`.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ from . import queries as Q
 from .core import DEFAULT_LEASE, Outcome
 from .errors import AlreadyCompleted, KeyNotFound, LeaseLost, UsageError
 
-__all__ = ["Job", "Worker", "create_queue", "enqueue", "install_pgmq"]
+__all__ = ["Job", "Worker", "aenqueue", "create_queue", "enqueue", "install_pgmq"]
 
 
 def install_pgmq(conn: psycopg.Connection[Any]) -> bool:
@@ -67,12 +68,25 @@ def enqueue(conn: psycopg.Connection[Any], queue: str, op: Any, payload: Any = N
     """Send the job of operation ``op`` (scope, key, its lease token) with ``payload`` (a JSON
     value) to ``queue``, in the transaction open on ``conn``: call ``op.accept()`` after it,
     which commits both. Returns the message id."""
-    if op.lease_token is None:
-        raise UsageError("enqueue(): the operation does not hold the key")
-    msg = {"scope": op.scope, "key": op.key, "lease_token": op.lease_token, "payload": payload}
-    row = conn.execute(Q.PGMQ_SEND, {"queue": queue, "msg": Jsonb(msg)}).fetchone()
+    row = conn.execute(Q.PGMQ_SEND, _send_params("enqueue()", queue, op, payload)).fetchone()
     assert row is not None
     return int(row[0])
+
+
+async def aenqueue(conn: psycopg.AsyncConnection[Any], queue: str, op: Any,
+                   payload: Any = None) -> int:
+    """:func:`enqueue` on an async connection (an ASGI handler's ``op.conn``)."""
+    cur = await conn.execute(Q.PGMQ_SEND, _send_params("aenqueue()", queue, op, payload))
+    row = await cur.fetchone()
+    assert row is not None
+    return int(row[0])
+
+
+def _send_params(what: str, queue: str, op: Any, payload: Any) -> dict[str, Any]:
+    if op.lease_token is None:
+        raise UsageError(f"{what}: the operation does not hold the key")
+    msg = {"scope": op.scope, "key": op.key, "lease_token": op.lease_token, "payload": payload}
+    return {"queue": queue, "msg": Jsonb(msg)}
 
 
 @dataclass
