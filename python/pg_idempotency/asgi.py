@@ -31,6 +31,14 @@ its canonical form, so re-serialising it does not matter; any other body by its 
 scope (whose keys these are) comes from the ``scope`` callback, from the authenticated caller,
 never from the client's say-so alone.
 
+A handler may hand the work to a worker instead (a long-running operation): it enqueues the job
+on ``op.conn`` (:func:`pg_idempotency.jobs.aenqueue`) and calls ``await op.accept(202, body,
+headers={"Location": ...})``, which commits the interim answer with the job. The middleware then
+does not complete the key (the worker will) and sends the stored interim answer (status, the
+headers given to accept, the body as stored) in place of the handler's own response, so the
+first client and every retry while the worker runs get the same bytes; retries carry
+``Idempotent-Replayed: true``. After the worker's ``complete`` they get its final answer.
+
 A handler that raises, or answers 5xx, is rolled back; the key is released for a fresh retry
 unless a side effect may have happened (a checkpoint was committed or a downstream key derived:
 then the key stays in progress and the next retry after the lease resumes). Responses are
@@ -231,6 +239,12 @@ class IdempotencyMiddleware:
             await self.app(inner, receive_again, capture)
             if start is None:
                 raise RuntimeError("the application sent no response")
+            if op.response is not None and op.response.completed_at is None:
+                # The handler handed the work over with op.accept(): that committed the
+                # interim answer with the job, and the key stays in progress for the worker.
+                # Send what was stored, so that this answer and its replays are the same.
+                await _send_stored(send, op.response)
+                return
             if start["status"] >= 500:
                 raise _HandlerFailed(start["status"])
         except BaseException as exc:
@@ -305,15 +319,19 @@ async def _send(send: Send, status: int, headers: Iterable[tuple[bytes, bytes]],
     await send({"type": "http.response.body", "body": content, "more_body": False})
 
 
-async def _send_replay(send: Send, stored: StoredResponse) -> None:
+async def _send_stored(send: Send, stored: StoredResponse,
+                       extra: Iterable[tuple[bytes, bytes]] = ()) -> None:
     content = stored.content
     headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
                for k, v in stored.headers.items()]
     if stored.content_type:
         headers.append((b"content-type", stored.content_type.encode("latin-1")))
-    headers += [(b"content-length", str(len(content)).encode()),
-                (b"idempotent-replayed", b"true")]
+    headers += [(b"content-length", str(len(content)).encode()), *extra]
     await _send(send, stored.status, headers, content)
+
+
+async def _send_replay(send: Send, stored: StoredResponse) -> None:
+    await _send_stored(send, stored, [(b"idempotent-replayed", b"true")])
 
 
 async def _problem(send: Send, status: int, title: str, detail: str,
