@@ -14,11 +14,13 @@ from the client's, so every retry sends the processor the same key, then writes 
 The middleware stores the response with complete() in that same transaction and commits: the
 ledger row and the replayable answer exist together or not at all. Retries get the stored
 answer with Idempotent-Replayed: true; concurrent ones wait for it (up to WAIT seconds).
+With captures=True, capture.py adds POST /captures: 202 Accepted now, a worker finishes it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import os
 import uuid
 from collections.abc import AsyncIterator
@@ -73,8 +75,19 @@ def caller_account(request: Request) -> str | None:
     return request.headers.get("x-account")
 
 
+def load_captures() -> Any:
+    """capture.py beside this file (in the wheel: _payments_example_capture.py)."""
+    here, name = os.path.splitext(__file__)[0], "capture.py"
+    path = os.path.join(os.path.dirname(here), name) if here.endswith("app") else here + "_" + name
+    spec = importlib.util.spec_from_file_location("payments_capture", path)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
 def create_app(dsn: str, processor: FakeProcessor | None = None, wait: float = WAIT,
-               lease: float = 30.0, pool_size: int = 10) -> FastAPI:
+               lease: float = 30.0, pool_size: int = 10, captures: bool = False,
+               capture_processor: Any = None) -> FastAPI:
     pool = AsyncConnectionPool(dsn, min_size=2, max_size=pool_size, open=False)
     processor = processor or FakeProcessor()
 
@@ -83,13 +96,20 @@ def create_app(dsn: str, processor: FakeProcessor | None = None, wait: float = W
         await pool.open()
         async with pool.connection() as conn:
             await conn.execute(SCHEMA)
+        if worker:
+            await worker.start()
         yield
+        if worker:
+            await worker.stop()
         await pool.close()
 
     app = FastAPI(title="payments", lifespan=lifespan)
     app.state.processor = processor
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=caller_account, wait=wait,
-                       lease=lease, routes={"POST /payments": Policy.REQUIRED})
+                       lease=lease, routes={"POST /payments": Policy.REQUIRED,
+                                            "POST /captures": Policy.REQUIRED})
+    capture = load_captures() if captures else None
+    worker = capture.mount(app, pool, dsn, caller_account, capture_processor) if capture else None
 
     @app.post("/payments", status_code=201)
     async def create_payment(payment: Payment, request: Request) -> JSONResponse:
@@ -126,4 +146,4 @@ def create_app(dsn: str, processor: FakeProcessor | None = None, wait: float = W
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(create_app(os.environ["DATABASE_URL"]), host="127.0.0.1", port=8000)
+    uvicorn.run(create_app(os.environ["DATABASE_URL"], captures=True), host="127.0.0.1", port=8000)
