@@ -1,8 +1,8 @@
 """Long-running operations over HTTP: the middleware's 202 hand-off (op.accept in the handler),
 through httpx's ASGI transport on real PostgreSQL.
 
-The example's slow capture (examples/payments/capture.py, a pgmq worker thread) runs on
-PostgreSQL 18 only, like tests/test_jobs.py; the small app's test runs on both servers.
+The example's slow capture (examples/payments/capture.py, a pgmq worker thread) and a small
+app of its own run on both servers: pgmq's SQL-only install works on PostgreSQL 15 and 18.
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ def one(dsn: str, query: str) -> Any:
         return row[0]
 
 
-@pytest.mark.parametrize("server", ["pg18"], indirect=True)
 async def test_retries_get_the_same_202_then_the_workers_result(db: str) -> None:
     gate = threading.Event()  # holds the worker's capture until the retries are done
     processor = capture.SlowProcessor(gate=gate)

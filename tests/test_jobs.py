@@ -1,7 +1,7 @@
 """Long-running operations through pgmq: accept() and the job commit together, retries get the
 same 202 while a worker runs the job under the key's lease, a dead worker's job is resumed once.
 
-PostgreSQL 18 only: the SQL underneath is tested on both servers by tests/sql/70_accept.sql.
+On both servers: pgmq's SQL-only install (the pgmq package) works on 15 and 18 alike.
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ import pytest
 
 import pg_idempotency as idem
 from pg_idempotency import jobs
-
-pytestmark = pytest.mark.parametrize("server", ["pg18"], indirect=True)
 
 QUEUE = "captures"
 SCOPE = "acct_1"
