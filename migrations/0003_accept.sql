@@ -8,6 +8,111 @@
 --
 -- 0003: long-running operations. accept() stores an interim response (e.g. 202 and a status
 -- URL) on a key in progress; a claim under the live lease returns it as outcome accepted.
+-- _check_response is the argument diagnosis accept() shares with complete() (via _finish).
+
+-- sql/functions/_check_response.sql
+-- Says which argument is wrong among those that complete(), complete_bytes() and accept()
+-- share, in the caller's name fn. Those functions test the same arguments in one inlined
+-- expression first and call this only when it fails, so the common path never enters it.
+CREATE FUNCTION idempotency._check_response(
+    fn text,
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    headers jsonb
+)
+RETURNS void
+LANGUAGE plpgsql
+IMMUTABLE
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM idempotency._check_name(_check_response.fn, 'scope', _check_response.scope);
+    PERFORM idempotency._check_name(_check_response.fn, 'key', _check_response.key);
+    IF _check_response.lease_token IS NULL THEN
+        PERFORM idempotency._invalid_argument(_check_response.fn, 'lease_token', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    IF _check_response.status IS NULL THEN
+        PERFORM idempotency._invalid_argument(_check_response.fn, 'status', 'IK010',
+                                              'must not be NULL');
+    ELSIF _check_response.status NOT BETWEEN 100 AND 599 THEN
+        PERFORM idempotency._invalid_argument(_check_response.fn, 'status', 'IK014',
+                                              'must be an HTTP status code (100 to 599)',
+                                              format('It is %s.', _check_response.status));
+    END IF;
+    PERFORM idempotency._check_headers(_check_response.fn, 'headers', _check_response.headers);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_response(text, text, text, bigint, integer, jsonb) IS
+'Internal: raises the documented error for the first invalid argument that complete(),
+complete_bytes() and accept() share (scope, key, lease_token, status, headers).';
+
+-- sql/functions/_finish.sql
+-- The fenced write shared by complete() and complete_bytes(). The UPDATE matches only while the
+-- caller's token is still the key's token; otherwise _lease_error raises, and the caller's
+-- business writes in the same transaction roll back with it. A stale worker can never commit a
+-- completion.
+CREATE OR REPLACE FUNCTION idempotency._finish(
+    fn text,
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    headers jsonb,
+    body jsonb,
+    body_bytes bytea,
+    content_type text,
+    reference_time timestamptz
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(_finish.reference_time, clock_timestamp());
+    v_completed timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
+                    AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
+                    AND idempotency._headers_ok(_finish.headers), false) THEN
+        PERFORM idempotency._check_response(_finish.fn, _finish.scope, _finish.key,
+                                            _finish.lease_token, _finish.status,
+                                            _finish.headers);
+    END IF;
+
+    UPDATE idempotency.keys AS k
+    SET state = 'completed',
+        lease_expires_at = NULL,
+        response_status = _finish.status,
+        response_headers = _finish.headers,
+        response_body = _finish.body,
+        response_body_bytes = _finish.body_bytes,
+        response_content_type = _finish.content_type,
+        completed_at = v_now
+    WHERE k.scope = _finish.scope AND k.key = _finish.key
+      AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
+      -- Lets the executor skip the partitions made ahead (see claim()).
+      AND k.created_at < v_now + interval '1 hour'
+    RETURNING k.completed_at INTO v_completed;
+    IF NOT FOUND THEN
+        PERFORM idempotency._lease_error(_finish.fn, _finish.scope, _finish.key,
+                                         _finish.lease_token);
+    END IF;
+    RETURN v_completed;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._finish(
+    text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
+) IS
+'Internal: the fenced completion shared by complete() and complete_bytes().';
 
 -- sql/functions/accept.sql
 -- For long-running operations: the owner answers "202 Accepted" now and finishes later (a worker
@@ -48,21 +153,8 @@ BEGIN
                     AND idempotency._headers_ok(v_headers)
                     AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
                     false) THEN
-        PERFORM idempotency._check_name('idempotency.accept', 'scope', accept.scope);
-        PERFORM idempotency._check_name('idempotency.accept', 'key', accept.key);
-        IF accept.lease_token IS NULL THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'lease_token', 'IK010',
-                                                  'must not be NULL');
-        END IF;
-        IF accept.status IS NULL THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK010',
-                                                  'must not be NULL');
-        ELSIF accept.status NOT BETWEEN 100 AND 599 THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK014',
-                                                  'must be an HTTP status code (100 to 599)',
-                                                  format('It is %s.', accept.status));
-        END IF;
-        PERFORM idempotency._check_headers('idempotency.accept', 'headers', v_headers);
+        PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
+                                            accept.lease_token, accept.status, v_headers);
         IF accept.lease IS NOT NULL THEN
             PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
         END IF;

@@ -28,21 +28,9 @@ BEGIN
     IF NOT coalesce(idempotency._name_ok(_finish.scope) AND idempotency._name_ok(_finish.key)
                     AND _finish.lease_token IS NOT NULL AND _finish.status BETWEEN 100 AND 599
                     AND idempotency._headers_ok(_finish.headers), false) THEN
-        PERFORM idempotency._check_name(_finish.fn, 'scope', _finish.scope);
-        PERFORM idempotency._check_name(_finish.fn, 'key', _finish.key);
-        IF _finish.lease_token IS NULL THEN
-            PERFORM idempotency._invalid_argument(_finish.fn, 'lease_token', 'IK010',
-                                                  'must not be NULL');
-        END IF;
-        IF _finish.status IS NULL THEN
-            PERFORM idempotency._invalid_argument(_finish.fn, 'status', 'IK010',
-                                                  'must not be NULL');
-        ELSIF _finish.status NOT BETWEEN 100 AND 599 THEN
-            PERFORM idempotency._invalid_argument(_finish.fn, 'status', 'IK014',
-                                                  'must be an HTTP status code (100 to 599)',
-                                                  format('It is %s.', _finish.status));
-        END IF;
-        PERFORM idempotency._check_headers(_finish.fn, 'headers', _finish.headers);
+        PERFORM idempotency._check_response(_finish.fn, _finish.scope, _finish.key,
+                                            _finish.lease_token, _finish.status,
+                                            _finish.headers);
     END IF;
 
     UPDATE idempotency.keys AS k

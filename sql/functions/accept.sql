@@ -36,21 +36,8 @@ BEGIN
                     AND idempotency._headers_ok(v_headers)
                     AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
                     false) THEN
-        PERFORM idempotency._check_name('idempotency.accept', 'scope', accept.scope);
-        PERFORM idempotency._check_name('idempotency.accept', 'key', accept.key);
-        IF accept.lease_token IS NULL THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'lease_token', 'IK010',
-                                                  'must not be NULL');
-        END IF;
-        IF accept.status IS NULL THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK010',
-                                                  'must not be NULL');
-        ELSIF accept.status NOT BETWEEN 100 AND 599 THEN
-            PERFORM idempotency._invalid_argument('idempotency.accept', 'status', 'IK014',
-                                                  'must be an HTTP status code (100 to 599)',
-                                                  format('It is %s.', accept.status));
-        END IF;
-        PERFORM idempotency._check_headers('idempotency.accept', 'headers', v_headers);
+        PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
+                                            accept.lease_token, accept.status, v_headers);
         IF accept.lease IS NOT NULL THEN
             PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
         END IF;

@@ -539,6 +539,7 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
         ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
+        ('_check_response', 'i'),
         ('_create_partition', 'v'), ('_finish', 'v'), ('_headers_ok', 'i'),
         ('_invalid_argument', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
         ('_lock_name', 'v'), ('_make_partitions', 'v'), ('_name_ok', 'i'),
