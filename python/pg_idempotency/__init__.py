@@ -10,9 +10,13 @@ layer over them (docs/python.md):
 - :mod:`pg_idempotency.asgi`: Starlette/FastAPI middleware (extra ``asgi``);
 - :mod:`pg_idempotency.client`: a retrying httpx client (extra ``client``);
 - :mod:`pg_idempotency.migrate` and the ``pg-idempotency`` command (:mod:`pg_idempotency.cli`);
-- :mod:`pg_idempotency.fingerprint`: ``canonical_json``, ``fingerprint`` and ``derive_key`` in
-  pure Python, byte-identical to the SQL functions.
+- :func:`canonical_json`, :func:`fingerprint` and :func:`derive_key` in pure Python,
+  byte-identical to the SQL functions (defined in the submodule ``pg_idempotency.fingerprint``,
+  which the function of the same name shadows as a package attribute; ``from
+  pg_idempotency.fingerprint import ...`` still works).
 """
+
+from importlib import metadata as _metadata
 
 from .api import (
     Operation,
@@ -34,20 +38,26 @@ from .errors import (
     IdempotencyError,
     InvalidArgument,
     IsolationNotSupported,
+    KeyExpired,
     KeyInProgress,
     KeyMismatch,
     KeyNotFound,
     LeaseLost,
+    PgCronNotInstalled,
     UsageError,
 )
-from .fingerprint import derive_key
+from .fingerprint import canonical_json, derive_key, fingerprint
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("pg-idempotency")
+except _metadata.PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "DEFAULT_LEASE", "AbandonedKey", "AlreadyCompleted", "ClaimResult", "IdempotencyError",
-    "InvalidArgument", "IsolationNotSupported", "KeyInProgress", "KeyMismatch", "KeyNotFound",
-    "LeaseLost", "Operation", "Outcome", "StoredResponse", "UsageError", "accept", "checkpoint",
-    "claim", "complete", "derive_key", "heartbeat", "idempotent", "inbox_accept", "list_abandoned",
-    "operation", "release", "takeover",
+    "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
+    "KeyNotFound", "LeaseLost", "Operation", "Outcome", "PgCronNotInstalled", "StoredResponse",
+    "UsageError", "accept", "canonical_json", "checkpoint", "claim", "complete", "derive_key",
+    "fingerprint", "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation",
+    "release", "takeover",
 ]

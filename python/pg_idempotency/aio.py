@@ -20,9 +20,10 @@ import psycopg
 
 from . import core
 from .core import DEFAULT_LEASE, OperationCore, StoredResponse
+from .fingerprint import derive_key
 
-__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
-           "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
+__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
+           "idempotent", "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
 claim = core._async(core.claim)
 takeover = core._async(core.takeover)

@@ -19,9 +19,10 @@ import psycopg
 
 from . import core
 from .core import DEFAULT_LEASE, OperationCore, StoredResponse
+from .fingerprint import derive_key
 
-__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "heartbeat", "idempotent",
-           "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
+__all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
+           "idempotent", "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
 claim = core._sync(core.claim)
 takeover = core._sync(core.takeover)

@@ -121,14 +121,21 @@ class ClaimResult:
             body_bytes = row["response_body_bytes"]
             response = StoredResponse(
                 status=row["response_status"],
-                headers=dict(row["response_headers"] or {}),
-                body=row["response_body"],
+                headers=dict(load_json(row["response_headers"]) or {}),
+                body=load_json(row["response_body"]),
                 body_bytes=bytes(body_bytes) if body_bytes is not None else None,
                 content_type=row["response_content_type"],
                 completed_at=row["completed_at"],
             )
         return cls(outcome, row["lease_token"], row["lease_expires_at"], row["recovery_point"],
                    row["attempts"], row["retry_after"], row["created_at"], response)
+
+
+def load_json(text: str | None) -> Any:
+    """A json/jsonb column that queries.py casts to text, parsed here: whatever loaders the
+    connection has registered (Django registers a text loader for jsonb), the result is the
+    same."""
+    return None if text is None else json.loads(text)
 
 
 @dataclass(frozen=True)
@@ -544,7 +551,7 @@ class OperationCore:
         # The body as stored (jsonb's key order and numbers), so that this answer and every
         # replay of it are the same bytes.
         self.response = StoredResponse(
-            status=status, headers=dict(headers or {}), body=row["body"],
+            status=status, headers=dict(headers or {}), body=load_json(row["body"]),
             content_type="application/json" if body is not None else None)
         return self.response
 

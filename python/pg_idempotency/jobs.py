@@ -39,7 +39,7 @@ from psycopg.types.json import Jsonb
 
 from . import api
 from . import queries as Q
-from .core import DEFAULT_LEASE, Outcome
+from .core import DEFAULT_LEASE, Outcome, load_json
 from .errors import AlreadyCompleted, KeyNotFound, LeaseLost, UsageError
 
 __all__ = ["Job", "Worker", "aenqueue", "create_queue", "enqueue", "install_pgmq"]
@@ -135,7 +135,7 @@ class Worker:
                 msg = cur.execute(Q.PGMQ_READ, {"queue": self.queue, "vt": self._vt}).fetchone()
         if msg is None:
             return False
-        body = msg["message"]
+        body = load_json(msg["message"])
         job = Job(self.conn, body["scope"], body["key"], body["lease_token"], body.get("payload"),
                   msg["msg_id"], read_count=msg["read_ct"])
         if not self._own(job):

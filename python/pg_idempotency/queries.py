@@ -11,15 +11,23 @@ from typing import Final
 
 # -- the lifecycle (docs/sql-api.md) --------------------------------------------------------
 
-CLAIM: Final = """
-SELECT * FROM idempotency.claim(
+# The claim_result columns, jsonb ones as text: the package parses them itself, so a loader
+# an application or framework registered for jsonb (Django registers a text loader) changes
+# nothing.
+_CLAIM_COLUMNS = """outcome, lease_token, lease_expires_at, recovery_point, attempts,
+       response_status, response_headers::text AS response_headers,
+       response_body::text AS response_body, response_body_bytes, response_content_type,
+       retry_after, created_at, completed_at"""
+
+CLAIM: Final = f"""
+SELECT {_CLAIM_COLUMNS} FROM idempotency.claim(
     scope => %(scope)s::text, key => %(key)s::text, request => %(request)s::jsonb,
     lease => %(lease)s::interval, fingerprint => %(fingerprint)s::bytea,
     strict => %(strict)s::boolean, reference_time => %(reference_time)s::timestamptz)
 """
 
-TAKEOVER: Final = """
-SELECT * FROM idempotency.takeover(
+TAKEOVER: Final = f"""
+SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     scope => %(scope)s::text, key => %(key)s::text, lease => %(lease)s::interval,
     reference_time => %(reference_time)s::timestamptz)
 """
@@ -60,7 +68,7 @@ SELECT idempotency.accept(
     lease => %(lease)s::interval,
     reference_time => %(reference_time)s::timestamptz) AS lease_expires_at,
     -- the body as jsonb stores it (key order, numbers): what a replay of it will send
-    %(body)s::jsonb AS body
+    %(body)s::jsonb::text AS body
 """
 
 RELEASE: Final = """
@@ -88,7 +96,7 @@ PGMQ_SEND: Final = """
 SELECT msg_id FROM pgmq.send(queue_name => %(queue)s::text, msg => %(msg)s::jsonb) AS msg_id
 """
 PGMQ_READ: Final = """
-SELECT msg_id, read_ct, message FROM pgmq.read(
+SELECT msg_id, read_ct, message::text AS message FROM pgmq.read(
     queue_name => %(queue)s::text, vt => %(vt)s::integer, qty => 1)
 """
 PGMQ_SET_VT: Final = """
