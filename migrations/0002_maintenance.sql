@@ -3,6 +3,9 @@
 -- Plain SQL for any migration tool: apply the files in lexical order, each in one
 -- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).
 
+-- Objects created below bind to pg_catalog, whatever the installer's search_path.
+SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
 -- Recipe of migrations/0002_maintenance.sql (tools/build.py --migration 2 maintenance):
 -- plain SQL, plus "-- @include FILE" (a source from sql/, as it is) and "-- @replace FILE" (a
 -- changed function, as CREATE OR REPLACE FUNCTION, which keeps its grants) lines that

@@ -3,6 +3,9 @@
 -- Plain SQL for any migration tool: apply the files in lexical order, each in one
 -- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).
 
+-- Objects created below bind to pg_catalog, whatever the installer's search_path.
+SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
+
 -- Recipe of migrations/0003_accept.sql (tools/build.py --migration 3 accept); the syntax is
 -- explained in sql/upgrades/0002_maintenance.sql.
 --

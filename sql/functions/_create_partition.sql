@@ -8,6 +8,10 @@ RETURNS boolean
 LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- The bounds go into the DDL as text (%L): ISO with a numeric UTC offset, whatever the
+-- session's DateStyle and TimeZone (see _partitions for what a zone abbreviation can do).
+SET datestyle = 'ISO, YMD'
+SET timezone = 'UTC'
 AS $$
 DECLARE
     v_name text := idempotency._partition_name(
