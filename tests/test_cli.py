@@ -221,3 +221,13 @@ def test_maintain_and_status_without_schema(empty_db: str, command: str) -> None
 def test_maintain_and_status_unreachable(command: str) -> None:
     assert_one_line_error(run(command, "--dsn", f"postgresql://x@127.0.0.1:{closed_port()}/x"),
                           "cannot connect")
+
+
+@pytest.mark.parametrize("delay", ["-5", "nan", "inf", "soon"])
+def test_maintain_refuses_a_bad_retry_delay_in_one_line(delay: str) -> None:
+    # Refused by the argument parser (exit 2, usage line) before any connection is made.
+    proc = run("maintain", "--dsn", f"postgresql://x@127.0.0.1:{closed_port()}/x",
+               f"--retry-delay={delay}")
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert "--retry-delay" in proc.stderr and delay in proc.stderr

@@ -123,7 +123,7 @@ def cmd_maintain(args: argparse.Namespace, conn: psycopg.Connection | None) -> i
 def maintain_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attempts", type=_positive, default=3, metavar="N",
                    help="runs at most, while a step is skipped for a lock (default 3)")
-    p.add_argument("--retry-delay", type=float, default=2.0, metavar="SECONDS",
+    p.add_argument("--retry-delay", type=_seconds, default=2.0, metavar="SECONDS",
                    help="pause between those runs (default 2)")
 
 
@@ -141,6 +141,17 @@ def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be at least 1: {text}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A finite, non-negative number of seconds (time.sleep refuses the others)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text}") from None
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number of seconds, at least 0: {text}")
     return value
 
 
