@@ -109,3 +109,22 @@ async def test_accept_and_takeover_with_hostile_jsonb_loaders(hostile: Any) -> N
     assert replay.response.status == 202
     assert replay.response.headers == {"Location": "/captures/1"}
     assert replay.response.body == {"status": "pending", "n": 1.50}
+
+
+def test_pure_functions_and_errors_are_exported_with_sync_async_parity() -> None:
+    import importlib
+
+    from pg_idempotency import api
+
+    # The function shadows the submodule as a package attribute; the submodule still imports.
+    fingerprint_module = importlib.import_module("pg_idempotency.fingerprint")
+
+    assert idem.fingerprint is fingerprint_module.fingerprint
+    assert idem.canonical_json({"b": 1, "a": [1.50]}) == '{"a":[1.5],"b":1}'
+    assert len(idem.fingerprint({"amount": 50})) == 32
+    assert aio.derive_key is api.derive_key is idem.derive_key
+    assert sorted(aio.__all__) == sorted(api.__all__)
+    assert all(hasattr(aio, name) and hasattr(api, name) for name in api.__all__)
+    assert issubclass(idem.KeyExpired, idem.IdempotencyError)
+    assert idem.PgCronNotInstalled.sqlstate == "IK020"
+    assert idem.__version__ == "0.4.0"
