@@ -100,6 +100,15 @@ def test_maintain_keeps_a_key_inside_its_retention_under_dublin_summer_settings(
                             ).fetchone()[0] == 0
 
 
+def observe(conn: psycopg.Connection[Any]) -> tuple[Any, ...]:
+    """What the status and partition functions say, to compare across session settings."""
+    return (partitions(conn),
+            conn.execute("SELECT * FROM idempotency.partition_status() ORDER BY 1, 2").fetchall(),
+            conn.execute("SELECT * FROM idempotency.key_status()").fetchall(),
+            conn.execute("SELECT idempotency.canonical_json('{\"n\": 1.50, \"f\": 1e3}')"
+                         ).fetchone())
+
+
 @pytest.mark.parametrize("settings", HOSTILE_SETTINGS, ids=lambda s: s["TimeZone"])
 def test_partition_bounds_and_status_equal_iso_utc(db: str, settings: dict[str, str]) -> None:
     with connect(db) as conn:
@@ -109,19 +118,9 @@ def test_partition_bounds_and_status_equal_iso_utc(db: str, settings: dict[str, 
                             (DAY, DAY + timedelta(days=1))).fetchone()[0] is True
         conn.execute("SELECT idempotency.claim('st', 'k', '{\"n\": 1.50}', "
                      "reference_time => %s)", (DAY + timedelta(hours=1),))
-        hostile = (partitions(conn),
-                   conn.execute("SELECT * FROM idempotency.partition_status() ORDER BY 1, 2"
-                                ).fetchall(),
-                   conn.execute("SELECT * FROM idempotency.key_status()").fetchall(),
-                   conn.execute("SELECT idempotency.canonical_json('{\"n\": 1.50, \"f\": 1e3}')"
-                                ).fetchone())
+        hostile = observe(conn)
         apply(conn, ISO)
-        iso = (partitions(conn),
-               conn.execute("SELECT * FROM idempotency.partition_status() ORDER BY 1, 2"
-                            ).fetchall(),
-               conn.execute("SELECT * FROM idempotency.key_status()").fetchall(),
-               conn.execute("SELECT idempotency.canonical_json('{\"n\": 1.50, \"f\": 1e3}')"
-                            ).fetchone())
+        iso = observe(conn)
     assert hostile == iso
     assert (DAY, DAY + timedelta(days=1)) in [(p[1], p[2]) for p in iso[0]]
 
