@@ -20,7 +20,9 @@ VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(_finish.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN _finish.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock(_finish.fn, _finish.reference_time) END;
+    v_created_at timestamptz;
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
@@ -32,6 +34,11 @@ BEGIN
                                             _finish.lease_token, _finish.status,
                                             _finish.headers);
     END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = _finish.scope AND d.key_hash = sha256(convert_to(_finish.key, 'UTF8'));
 
     UPDATE idempotency.keys AS k
     SET state = 'completed',
@@ -45,7 +52,7 @@ BEGIN
     WHERE k.scope = _finish.scope AND k.key = _finish.key
       AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
       -- Lets the executor skip the partitions made ahead (see claim()).
-      AND k.created_at < v_now + interval '1 hour'
+      AND k.created_at = v_created_at
     RETURNING k.completed_at INTO v_completed;
     IF NOT FOUND THEN
         PERFORM idempotency._lease_error(_finish.fn, _finish.scope, _finish.key,

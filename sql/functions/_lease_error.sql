@@ -10,10 +10,16 @@ AS $$
 DECLARE
     v_state text;
     v_token bigint;
+    v_created_at timestamptz;
 BEGIN
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = _lease_error.scope
+      AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
     SELECT k.state, k.lease_token INTO v_state, v_token
     FROM idempotency.keys AS k
-    WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key;
+    WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key
+      AND k.created_at = v_created_at;
 
     IF NOT FOUND THEN
         RAISE EXCEPTION USING

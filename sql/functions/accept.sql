@@ -25,7 +25,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(accept.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
+    v_created_at timestamptz;
     v_headers jsonb := coalesce(accept.headers, '{}');
     v_expires timestamptz;
 BEGIN
@@ -43,6 +45,11 @@ BEGIN
         END IF;
     END IF;
 
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
+
     UPDATE idempotency.keys AS k
     SET response_status = accept.status,
         response_headers = v_headers,
@@ -55,7 +62,7 @@ BEGIN
     WHERE k.scope = accept.scope AND k.key = accept.key
       AND k.lease_token = accept.lease_token AND k.state = 'in_progress'
       -- Lets the executor skip the partitions made ahead (see claim()).
-      AND k.created_at < v_now + interval '1 hour'
+      AND k.created_at = v_created_at
     RETURNING k.lease_expires_at INTO v_expires;
     IF NOT FOUND THEN
         PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,

@@ -16,7 +16,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(checkpoint.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN checkpoint.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.checkpoint', checkpoint.reference_time) END;
+    v_created_at timestamptz;
     v_expires timestamptz;
 BEGIN
     PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
@@ -31,12 +33,18 @@ BEGIN
         PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend', checkpoint.extend);
     END IF;
 
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = checkpoint.scope AND d.key_hash = sha256(convert_to(checkpoint.key, 'UTF8'));
+
     UPDATE idempotency.keys AS k
     SET recovery_point = checkpoint.recovery_point,
         lease_expires_at = CASE WHEN checkpoint.extend IS NULL THEN k.lease_expires_at
             ELSE greatest(k.lease_expires_at, v_now + checkpoint.extend) END
     WHERE k.scope = checkpoint.scope AND k.key = checkpoint.key
       AND k.lease_token = checkpoint.lease_token AND k.state = 'in_progress'
+      AND k.created_at = v_created_at
     RETURNING k.lease_expires_at INTO v_expires;
     IF NOT FOUND THEN
         PERFORM idempotency._lease_error('idempotency.checkpoint', checkpoint.scope,

@@ -26,7 +26,10 @@ SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(claim.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.claim', claim.reference_time) END;
+    v_key_hash bytea;
+    v_created_at timestamptz;
     v_fingerprint bytea;
     v_existing idempotency.keys;
     v_result idempotency.claim_result;
@@ -60,35 +63,33 @@ BEGIN
         -- fingerprint(request) without its defaults/fields handling, saving a call.
         v_fingerprint := sha256(convert_to(idempotency.canonical_json(claim.request), 'UTF8'));
     END IF;
+    v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
     IF current_setting('transaction_isolation') <> 'read committed' THEN
         PERFORM idempotency._require_read_committed('idempotency.claim');
     END IF;
 
     PERFORM idempotency._lock_name(1, claim.scope, claim.key);
     -- From here on each statement reads with a snapshot taken after the lock, so it sees every
-    -- claim of this key that committed before us, in whichever partition it landed.
+    -- claim of this key that committed before us. Lookups go through idempotency.key_directory
+    -- (a few wide partitions, no time bound), and then touch the one partition of keys or
+    -- tombstones its created_at names: no clock, given or real, decides what is searched.
     FOR attempt IN 1 .. 5 LOOP
-        -- Insert unless the key exists, in one statement: new keys (the common case) cost one
-        -- query. The created_at bound lets the executor skip the partitions made ahead, which
-        -- cannot hold the key yet; the hour of slack covers a clock step backwards.
+        -- A new key (the common case) costs one statement: its directory row and its key row.
+        WITH d AS (
+            INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+            SELECT claim.scope, v_key_hash, v_now
+            WHERE NOT EXISTS (
+                SELECT FROM idempotency.key_directory AS e
+                WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+            )
+            RETURNING d.created_at
+        )
         INSERT INTO idempotency.keys AS k (
             scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
         )
         SELECT claim.scope, claim.key, v_fingerprint, 'in_progress',
-               nextval('idempotency.lease_token_seq'), v_now + claim.lease, v_now
-        WHERE NOT EXISTS (
-            SELECT FROM idempotency.keys AS e
-            WHERE e.scope = claim.scope AND e.key = claim.key
-              AND e.created_at < v_now + interval '1 hour'
-        )
-        -- Tombstones: with settings.tombstones off, maintain() keeps this table empty and the
-        -- lookup is one probe of an empty index.
-        AND NOT EXISTS (
-            SELECT FROM idempotency.tombstones AS t
-            WHERE t.scope = claim.scope
-              AND t.key_hash = sha256(convert_to(claim.key, 'UTF8'))
-              AND t.expires_at > v_now
-        )
+               nextval('idempotency.lease_token_seq'), v_now + claim.lease, d.created_at
+        FROM d
         RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
                   NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
                   NULL::interval, k.created_at, NULL::timestamptz
@@ -97,24 +98,30 @@ BEGIN
             RETURN v_result;
         END IF;
 
+        SELECT e.created_at INTO v_created_at
+        FROM idempotency.key_directory AS e
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+        IF NOT FOUND THEN
+            -- Released (or dropped) since the insert looked: insert again.
+            CONTINUE;
+        END IF;
         SELECT k.* INTO v_existing
         FROM idempotency.keys AS k
-        WHERE k.scope = claim.scope AND k.key = claim.key
-          AND k.created_at < v_now + interval '1 hour';
+        WHERE k.scope = claim.scope AND k.key = claim.key AND k.created_at = v_created_at;
         IF NOT FOUND THEN
-            -- Only a tombstone (the key expired and maintain() dropped it), or the key was
-            -- released (or dropped) since the insert looked: then insert again.
+            -- The key's row is gone (maintain() dropped it after its retention): a tombstone
+            -- answers expired (settings.tombstones); without one the key is new again.
             SELECT 'expired', t.response_status, t.created_at
             INTO v_result.outcome, v_result.response_status, v_result.created_at
             FROM idempotency.tombstones AS t
-            WHERE t.scope = claim.scope
-              AND t.key_hash = sha256(convert_to(claim.key, 'UTF8'))
-              AND t.expires_at > v_now
-            ORDER BY t.created_at DESC
-            LIMIT 1;
+            WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+              AND t.created_at = v_created_at AND t.expires_at > v_now;
             IF FOUND THEN
                 RETURN v_result;
             END IF;
+            DELETE FROM idempotency.key_directory AS e
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+              AND e.created_at = v_created_at;
             CONTINUE;
         END IF;
 
@@ -152,5 +159,5 @@ $$;
 COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
 'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
 mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
-idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is for tests; leave it
-NULL. See docs/sql-api.md.';
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is a test clock that
+only the schema owner may pass; leave it NULL. See docs/sql-api.md.';

@@ -14,7 +14,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(heartbeat.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN heartbeat.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.heartbeat', heartbeat.reference_time) END;
+    v_created_at timestamptz;
     v_expires timestamptz;
 BEGIN
     PERFORM idempotency._check_name('idempotency.heartbeat', 'scope', heartbeat.scope);
@@ -25,10 +27,16 @@ BEGIN
     END IF;
     PERFORM idempotency._check_lease('idempotency.heartbeat', 'lease', heartbeat.lease);
 
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = heartbeat.scope AND d.key_hash = sha256(convert_to(heartbeat.key, 'UTF8'));
+
     UPDATE idempotency.keys AS k
     SET lease_expires_at = greatest(k.lease_expires_at, v_now + heartbeat.lease)
     WHERE k.scope = heartbeat.scope AND k.key = heartbeat.key
       AND k.lease_token = heartbeat.lease_token AND k.state = 'in_progress'
+      AND k.created_at = v_created_at
     RETURNING k.lease_expires_at INTO v_expires;
     IF NOT FOUND THEN
         PERFORM idempotency._lease_error('idempotency.heartbeat', heartbeat.scope,

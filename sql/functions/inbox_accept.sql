@@ -29,7 +29,9 @@ BEGIN
     END IF;
     INSERT INTO idempotency.inbox (consumer, message_id, received_at)
     VALUES (inbox_accept.consumer, inbox_accept.message_id,
-            coalesce(inbox_accept.reference_time, clock_timestamp()));
+            CASE WHEN inbox_accept.reference_time IS NULL THEN clock_timestamp()
+                ELSE idempotency._test_clock('idempotency.inbox_accept',
+                                             inbox_accept.reference_time) END);
     RETURN true;
 END;
 $$;

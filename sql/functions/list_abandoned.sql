@@ -30,7 +30,10 @@ BEGIN
     SELECT k.scope, k.key, k.lease_expires_at, k.recovery_point, k.attempts, k.created_at
     FROM idempotency.keys AS k
     WHERE k.state = 'in_progress'
-      AND k.lease_expires_at <= coalesce(list_abandoned.reference_time, clock_timestamp())
+      AND k.lease_expires_at <= CASE WHEN list_abandoned.reference_time IS NULL
+          THEN clock_timestamp()
+          ELSE idempotency._test_clock('idempotency.list_abandoned',
+                                       list_abandoned.reference_time) END
       AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
     ORDER BY k.lease_expires_at
     LIMIT list_abandoned.max_keys

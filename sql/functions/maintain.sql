@@ -176,13 +176,79 @@ BEGIN
             RETURN NEXT v_step;
         END LOOP;
     END LOOP;
+
+    -- The directory last, whatever manage_partitions says (it is ours even when pg_partman
+    -- manages keys): its rows may go only once no key row and no tombstone they point to is
+    -- left, so after the drops above. Each drop re-checks that under the table's exclusive
+    -- lock, so no claim can add a row to the partition meanwhile.
+    v_window := idempotency._directory_window(v_settings);
+    DELETE FROM idempotency.key_directory_default AS d
+    WHERE d.created_at < maintain.reference_time - v_window
+      AND NOT EXISTS (
+          SELECT FROM idempotency.keys AS k
+          WHERE k.scope = d.scope AND k.created_at = d.created_at
+            AND sha256(convert_to(k.key, 'UTF8')) = d.key_hash
+      )
+      AND NOT EXISTS (
+          SELECT FROM idempotency.tombstones AS t
+          WHERE t.scope = d.scope AND t.key_hash = d.key_hash AND t.created_at = d.created_at
+      );
+    GET DIAGNOSTICS v_count = ROW_COUNT;
+    IF v_count > 0 THEN
+        v_step := ROW('deleted', 'key_directory', 'key_directory_default', NULL::timestamptz,
+                      NULL::timestamptz, v_count,
+                      format('older than %s (the directory window) and pointing to no key or '
+                             'tombstone', v_window));
+        RETURN NEXT v_step;
+    END IF;
+    SELECT max(p.upper_bound) INTO v_newest
+    FROM idempotency._partitions('key_directory') AS p WHERE NOT p.is_default;
+    FOR v_part IN
+        SELECT p.partition_name, p.lower_bound, p.upper_bound
+        FROM idempotency._partitions('key_directory') AS p
+        WHERE NOT p.is_default AND p.upper_bound + v_window <= maintain.reference_time
+          AND p.upper_bound < v_newest
+        ORDER BY p.lower_bound
+    LOOP
+        v_step := ROW('dropped', 'key_directory', v_part.partition_name, v_part.lower_bound,
+                      v_part.upper_bound, NULL::bigint,
+                      format('wholly older than %s (the directory window)', v_window));
+        BEGIN
+            LOCK TABLE idempotency.key_directory IN ACCESS EXCLUSIVE MODE;
+            IF EXISTS (
+                SELECT FROM idempotency.keys AS k
+                WHERE k.created_at >= v_part.lower_bound AND k.created_at < v_part.upper_bound
+            ) OR EXISTS (
+                SELECT FROM idempotency.tombstones AS t
+                WHERE t.created_at >= v_part.lower_bound AND t.created_at < v_part.upper_bound
+            ) THEN
+                v_step.action := 'skipped';
+                v_step.reason := 'not dropped: keys or tombstones dated in its range remain '
+                                 || '(partitions of keys kept longer, by pg_partman?)';
+            ELSE
+                EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+                INTO v_step.row_count;
+                EXECUTE format('DROP TABLE idempotency.%I', v_part.partition_name);
+            END IF;
+        EXCEPTION WHEN lock_not_available THEN
+            v_step.action := 'skipped';
+            v_step.reason := format(
+                'not dropped: idempotency.key_directory was not locked within %s '
+                '(settings.maintenance_lock_timeout); a transaction is using it', v_timeout);
+            RETURN NEXT v_step;
+            EXIT;
+        END;
+        RETURN NEXT v_step;
+    END LOOP;
+    RETURN QUERY
+    SELECT * FROM idempotency._make_directory_partitions(v_settings, maintain.reference_time);
     PERFORM set_config('lock_timeout', v_saved_lock_timeout, true);
     RETURN;
 END;
 $$;
 
 COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
-'Retention by partitions for keys, inbox and tombstones: write tombstones (opt-in), drop
+'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones (opt-in), drop
 partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.

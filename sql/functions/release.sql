@@ -8,6 +8,8 @@ VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_created_at timestamptz;
 BEGIN
     PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
     PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
@@ -16,13 +18,22 @@ BEGIN
                                               'must not be NULL');
     END IF;
 
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'));
+
     DELETE FROM idempotency.keys AS k
     WHERE k.scope = release.scope AND k.key = release.key
-      AND k.lease_token = release.lease_token AND k.state = 'in_progress';
+      AND k.lease_token = release.lease_token AND k.state = 'in_progress'
+      AND k.created_at = v_created_at;
     IF NOT FOUND THEN
         PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
                                          release.lease_token);
     END IF;
+    DELETE FROM idempotency.key_directory AS d
+    WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'))
+      AND d.created_at = v_created_at;
 END;
 $$;
 

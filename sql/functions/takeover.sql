@@ -15,7 +15,9 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_now timestamptz := coalesce(takeover.reference_time, clock_timestamp());
+    v_now timestamptz := CASE WHEN takeover.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.takeover', takeover.reference_time) END;
+    v_created_at timestamptz;
     v_existing idempotency.keys;
     v_result idempotency.claim_result;
 BEGIN
@@ -24,9 +26,15 @@ BEGIN
     PERFORM idempotency._check_lease('idempotency.takeover', 'lease', takeover.lease);
 
     FOR attempt IN 1 .. 5 LOOP
+        -- The key's one partition, from the directory (see claim).
+        SELECT d.created_at INTO v_created_at
+        FROM idempotency.key_directory AS d
+        WHERE d.scope = takeover.scope
+          AND d.key_hash = sha256(convert_to(takeover.key, 'UTF8'));
         SELECT k.* INTO v_existing
         FROM idempotency.keys AS k
-        WHERE k.scope = takeover.scope AND k.key = takeover.key;
+        WHERE k.scope = takeover.scope AND k.key = takeover.key
+          AND k.created_at = v_created_at;
         IF NOT FOUND THEN
             RAISE EXCEPTION USING
                 MESSAGE = format('idempotency.takeover: key %s in scope %s does not exist',

@@ -53,6 +53,11 @@ VALUES
     nextval('idempotency.lease_token_seq'), now() - interval '1 second',
     now() - interval '31 seconds'
 );
+-- Rows made by hand need their directory rows too (claim() writes both).
+INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
+SELECT k.scope, sha256(convert_to(k.key, 'UTF8')), k.created_at
+FROM idempotency.keys AS k
+WHERE k.scope = 'iso';
 
 -- token(key): the current lease token of a key of scope iso.
 CREATE FUNCTION pg_temp.token(key text)

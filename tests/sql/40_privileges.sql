@@ -159,17 +159,16 @@ SELECT ok(
 CREATE TEMP TABLE tok ON COMMIT DROP AS
 SELECT
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}', reference_time => now())).lease_token$$
+        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}')).lease_token$$
     )::bigint AS k1,
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k2', '{"a": 2}', reference_time => now())).lease_token$$
+        $$SELECT (idempotency.claim('p', 'k2', '{"a": 2}')).lease_token$$
     )::bigint AS k2,
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k3', '{"a": 3}', reference_time => now())).lease_token$$
+        $$SELECT (idempotency.claim('p', 'k3', '{"a": 3}')).lease_token$$
     )::bigint AS k3,
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k4', '{"a": 4}', lease => '1 second',
-                                    reference_time => now())).lease_token$$
+        $$SELECT (idempotency.claim('p', 'k4', '{"a": 4}', lease => '1 second')).lease_token$$
     )::bigint AS k4;
 
 SELECT is_empty(
@@ -184,42 +183,45 @@ SELECT results_eq(
 );
 SELECT is(
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}', reference_time => now())).outcome$$
+        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}')).outcome$$
     ),
     'in_progress',
     'app role: a second claim sees in_progress'
 );
 SELECT is(
     pg_temp.as_app(format(
-        $$SELECT idempotency.checkpoint('p', 'k1', %s, 'rp-1', reference_time => now())$$,
+        $$SELECT idempotency.checkpoint('p', 'k1', %s, 'rp-1')$$,
         (SELECT k1 FROM tok)
-    ))::timestamptz,
-    now() + interval '30 seconds',
+    ))::timestamptz
+    <@ tstzrange(now() + interval '30 seconds', clock_timestamp() + interval '30 seconds', '[]'),
+    true,
     'app role: checkpoint'
 );
 SELECT is(
     pg_temp.as_app(format(
-        $$SELECT idempotency.heartbeat('p', 'k1', %s, '1 minute', reference_time => now())$$,
+        $$SELECT idempotency.heartbeat('p', 'k1', %s, '1 minute')$$,
         (SELECT k1 FROM tok)
-    ))::timestamptz,
-    now() + interval '1 minute',
+    ))::timestamptz
+    <@ tstzrange(now() + interval '1 minute', clock_timestamp() + interval '1 minute', '[]'),
+    true,
     'app role: heartbeat'
 );
 SELECT is(
     pg_temp.as_app(format(
-        $$SELECT idempotency.complete('p', 'k1', %s, 201, '{"id": 1}', reference_time => now())$$,
+        $$SELECT idempotency.complete('p', 'k1', %s, 201, '{"id": 1}')$$,
         (SELECT k1 FROM tok)
-    ))::timestamptz,
-    now(),
+    ))::timestamptz
+    <@ tstzrange(now(), clock_timestamp(), '[]'),
+    true,
     'app role: complete'
 );
 SELECT is(
     pg_temp.as_app(format(
-        $$SELECT idempotency.complete_bytes('p', 'k2', %s, 200, '\x01'::bytea, 'a/b',
-                                            reference_time => now())$$,
+        $$SELECT idempotency.complete_bytes('p', 'k2', %s, 200, '\x01'::bytea, 'a/b')$$,
         (SELECT k2 FROM tok)
-    ))::timestamptz,
-    now(),
+    ))::timestamptz
+    <@ tstzrange(now(), clock_timestamp(), '[]'),
+    true,
     'app role: complete_bytes'
 );
 SELECT lives_ok(
@@ -238,7 +240,7 @@ SELECT results_eq(
 );
 SELECT is(
     pg_temp.as_app(
-        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}', reference_time => now()))
+        $$SELECT (idempotency.claim('p', 'k1', '{"a": 1}'))
                  .response_body::text$$
     ),
     '{"id": 1}',
@@ -246,23 +248,23 @@ SELECT is(
 );
 SELECT is(
     pg_temp.as_app(
-        $$SELECT (idempotency.takeover('p', 'k1', reference_time => now())).outcome$$
+        $$SELECT (idempotency.takeover('p', 'k1')).outcome$$
     ),
     'replay',
     'app role: takeover of a completed key'
 );
+-- k4's lease of 1 second runs out (reference_time is not the application role's to move).
+SELECT pg_sleep(1.1);
 SELECT is(
     pg_temp.as_app(
-        $$SELECT string_agg(key, ',') FROM idempotency.list_abandoned(
-              scope => 'p', reference_time => now() + interval '5 seconds')$$
+        $$SELECT string_agg(key, ',') FROM idempotency.list_abandoned(scope => 'p')$$
     ),
     'k4',
     'app role: list_abandoned'
 );
 SELECT is(
     pg_temp.as_app(
-        $$SELECT (idempotency.takeover('p', 'k4',
-                                       reference_time => now() + interval '5 seconds')).outcome$$
+        $$SELECT (idempotency.takeover('p', 'k4')).outcome$$
     ),
     'resumed',
     'app role: takeover of an expired key'
@@ -546,12 +548,14 @@ SELECT results_eq(
     $$VALUES
         ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
         ('_check_response', 'i'),
-        ('_create_partition', 'v'), ('_finish', 'v'), ('_headers_ok', 'i'),
+        ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
+        ('_headers_ok', 'i'),
         ('_invalid_argument', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
-        ('_lock_name', 'v'), ('_make_partitions', 'v'), ('_name_ok', 'i'),
+        ('_lock_name', 'v'), ('_make_directory_partitions', 'v'), ('_make_partitions', 'v'),
+        ('_name_ok', 'i'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
-        ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
+        ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
         ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),

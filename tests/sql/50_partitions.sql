@@ -245,8 +245,8 @@ SELECT is(
     '_premake on the day of install creates nothing more'
 );
 SELECT is(
-    idempotency._premake(pg_temp.d(10) + interval '5 hours'), 8,
-    '_premake ten days ahead creates 4 keys and 4 inbox partitions'
+    idempotency._premake(pg_temp.d(10) + interval '5 hours'), 10,
+    '_premake ten days ahead creates 4 keys and 4 inbox partitions, and 2 of the directory'
 );
 SELECT is(
     idempotency._premake(pg_temp.d(10) + interval '5 hours'), 0,
