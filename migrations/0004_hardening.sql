@@ -6,6 +6,19 @@
 -- Objects created below bind to pg_catalog, whatever the installer's search_path.
 SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 
+-- Refuse to run again: re-running a migration would put older functions back.
+DO $guard$
+BEGIN
+    IF EXISTS (SELECT FROM idempotency.migrations WHERE version >= 4) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'duplicate_object',
+            MESSAGE = 'pg_idempotency migration 0004_hardening was already applied '
+            || '(idempotency.migrations has it, or a later one)',
+            HINT = 'Nothing was changed.';
+    END IF;
+END
+$guard$;
+
 -- Recipe of migrations/0004_hardening.sql (tools/build.py --migration 4 hardening); the syntax
 -- is explained in sql/upgrades/0002_maintenance.sql.
 --

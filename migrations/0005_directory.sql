@@ -6,6 +6,19 @@
 -- Objects created below bind to pg_catalog, whatever the installer's search_path.
 SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 
+-- Refuse to run again: re-running a migration would put older functions back.
+DO $guard$
+BEGIN
+    IF EXISTS (SELECT FROM idempotency.migrations WHERE version >= 5) THEN
+        RAISE EXCEPTION USING
+            ERRCODE = 'duplicate_object',
+            MESSAGE = 'pg_idempotency migration 0005_directory was already applied '
+            || '(idempotency.migrations has it, or a later one)',
+            HINT = 'Nothing was changed.';
+    END IF;
+END
+$guard$;
+
 -- Recipe of migrations/0005_directory.sql (tools/build.py --migration 5 directory); the syntax
 -- is explained in sql/upgrades/0002_maintenance.sql.
 --
@@ -84,7 +97,7 @@ BEGIN
         RETURN clock_timestamp();
     END IF;
     IF v_invoker = 'none' THEN
-        v_invoker := session_user;
+        v_invoker := session_user::text;
     END IF;
     IF NOT pg_has_role(
         v_invoker,
@@ -164,6 +177,7 @@ DECLARE
     v_current timestamptz := date_bin(v_width, _make_directory_partitions.reference_time,
                                       v_origin);
     v_lower timestamptz;
+    v_moved idempotency.key_directory[];
     v_step idempotency.maintenance_action;
 BEGIN
     SELECT max(p.upper_bound) INTO v_lower
@@ -183,15 +197,15 @@ BEGIN
             -- run after CREATE EXTENSION, or after a long pause) move into the new partition,
             -- under the table's exclusive lock so that no claim misses them meanwhile.
             LOCK TABLE idempotency.key_directory IN ACCESS EXCLUSIVE MODE;
-            CREATE TEMPORARY TABLE idempotency_moving_directory
-            (LIKE idempotency.key_directory) ON COMMIT DROP;
             WITH moved AS (
                 DELETE FROM idempotency.key_directory_default AS d
                 WHERE d.created_at >= v_lower AND d.created_at < v_lower + v_width
                 RETURNING d.*
             )
-            INSERT INTO pg_temp.idempotency_moving_directory SELECT * FROM moved;
-            GET DIAGNOSTICS v_step.row_count = ROW_COUNT;
+            SELECT array_agg(ROW(m.scope, m.key_hash, m.created_at)::idempotency.key_directory),
+                   count(*)
+            INTO v_moved, v_step.row_count
+            FROM moved AS m;
             IF NOT idempotency._create_partition('key_directory', v_lower,
                                                  v_lower + v_width) THEN
                 RAISE EXCEPTION USING ERRCODE = 'duplicate_table', MESSAGE = format(
@@ -199,8 +213,7 @@ BEGIN
                     v_step.partition_name);
             END IF;
             INSERT INTO idempotency.key_directory
-            SELECT * FROM pg_temp.idempotency_moving_directory;
-            DROP TABLE pg_temp.idempotency_moving_directory;
+            SELECT m.* FROM unnest(v_moved) AS m;
             IF v_step.row_count > 0 THEN
                 v_step.reason := format('with %s rows moved out of key_directory_default',
                                         v_step.row_count);
@@ -236,8 +249,9 @@ window (and, given oldest, from there on).';
 
 -- sql/functions/_create_partition.sql
 -- Creates one partition of idempotency.keys, inbox, tombstones or key_directory, unless it
--- exists. Returns true when it made one. A range that overlaps an existing partition (say, one pg_partman made)
--- or rows already in the default partition is left alone and reported as not created.
+-- exists. Returns true when it made one. A range that overlaps an existing partition (say, one
+-- pg_partman made) or rows already in the default partition is left alone and reported as not
+-- created.
 CREATE OR REPLACE FUNCTION idempotency._create_partition(
     parent text, lower_bound timestamptz, upper_bound timestamptz
 )
@@ -304,14 +318,15 @@ $$;
 
 COMMENT ON FUNCTION idempotency._create_partition(text, timestamptz, timestamptz) IS
 'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys, inbox,
-tombstones or key_directory; false when it exists, overlaps another one, or rows for it are in the default
-partition.';
+tombstones or key_directory; false when it exists, overlaps another one, or rows for it are in
+the default partition.';
 
 -- sql/functions/_partitions.sql
 -- The partitions of idempotency.keys, inbox, tombstones or key_directory with their bounds,
--- read back from the catalog rather than from their names: partitions made by pg_partman, or under an earlier
--- partition_interval, are seen exactly as the ones maintain() made. Bounds PostgreSQL prints
--- as MINVALUE/MAXVALUE are returned as NULL, and maintain() never touches such a partition.
+-- read back from the catalog rather than from their names: partitions made by pg_partman, or
+-- under an earlier partition_interval, are seen exactly as the ones maintain() made. Bounds
+-- PostgreSQL prints as MINVALUE/MAXVALUE are returned as NULL, and maintain() never touches such
+-- a partition.
 --
 -- pg_get_expr prints the bounds as text in the session's DateStyle and TimeZone, and a zone
 -- abbreviation does not always read back as itself: Europe/Dublin's summer "IST" reads as
@@ -381,7 +396,7 @@ BEGIN
     END LOOP;
     -- The directory's partitions follow their own, wider window.
     v_created := v_created + (
-        SELECT count(*) FROM idempotency._make_directory_partitions(
+        SELECT count(*)::integer FROM idempotency._make_directory_partitions(
             v_settings, _premake.reference_time) AS a
         WHERE a.action = 'created');
     RETURN v_created;
@@ -396,7 +411,9 @@ idempotency.inbox, and those of idempotency.key_directory; returns how many it c
 -- Called when a fenced write (checkpoint, heartbeat, complete, release) matched no row: finds
 -- out why and raises the documented error. Raising, not returning false, is the point: the
 -- caller's business writes in the same transaction must roll back with it.
-CREATE OR REPLACE FUNCTION idempotency._lease_error(fn text, scope text, key text, lease_token bigint)
+CREATE OR REPLACE FUNCTION idempotency._lease_error(
+    fn text, scope text, key text, lease_token bigint
+)
 RETURNS void
 LANGUAGE plpgsql
 STABLE
@@ -1328,8 +1345,8 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
-'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones (opt-in), drop
-partitions wholly older than the retention (never the newest), move rows out of the default
+'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones
+(opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
 Returns what it did. See docs/maintenance.md.';
@@ -1338,17 +1355,23 @@ Returns what it did. See docs/maintenance.md.';
 -- Partitions of the directory from the oldest key or tombstone on (none before the settings
 -- row exists, as inside CREATE EXTENSION before its first maintain(): the rows then wait in
 -- the default partition, and maintain() moves them out).
+WITH oldest AS (
+    SELECT least(
+        (SELECT min(k.created_at) FROM idempotency.keys AS k),
+        (SELECT min(t.created_at) FROM idempotency.tombstones AS t)
+    ) AS created_at
+),
+
+made AS (
+    SELECT a.action
+    FROM idempotency.settings AS s
+    CROSS JOIN oldest AS o
+    CROSS JOIN LATERAL idempotency._make_directory_partitions(s, now(), o.created_at) AS a
+)
+
 SELECT count(*) AS directory_partitions_created
-FROM idempotency.settings AS s
-CROSS JOIN LATERAL idempotency._make_directory_partitions(
-    s, now(), (
-        SELECT least(
-            (SELECT min(k.created_at) FROM idempotency.keys AS k),
-            (SELECT min(t.created_at) FROM idempotency.tombstones AS t)
-        )
-    )
-) AS a
-WHERE a.action = 'created';
+FROM made
+WHERE made.action = 'created';
 
 -- One row per (scope, key): the key's own row if it has one, else its newest live tombstone,
 -- which is what claim() used to find first.

@@ -11,6 +11,8 @@
 
 from __future__ import annotations
 
+import re
+
 import threading
 import time
 from datetime import datetime, timedelta
@@ -237,7 +239,7 @@ def test_python_run_maintenance_and_report(db: str) -> None:
         report = maintenance.format_report(steps)
         assert report.splitlines()[0].split() == [
             "action", "table", "partition", "from", "to", "rows", "reason"]
-        assert f"dropped  keys   {name}" in report, report
+        assert re.search(rf"^dropped +keys +{name} ", report, re.M), report
         assert maintenance.format_report(maintenance.run_maintenance(conn)) == (
             "maintenance: nothing to do")
         with conn.transaction(), pytest.raises(ValueError, match="outside a transaction"):

@@ -65,6 +65,23 @@ SEARCH_PATH_PIN = (
     "-- Objects created below bind to pg_catalog, whatever the installer's search_path.\n"
     "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);\n\n"
 )
+# From 0004 on, a migration refuses to run a second time: re-running one after a later one
+# would put its older functions back.
+GUARD_FROM = 4
+MIGRATION_GUARD = (
+    "-- Refuse to run again: re-running a migration would put older functions back.\n"
+    "DO $guard$\n"
+    "BEGIN\n"
+    "    IF EXISTS (SELECT FROM idempotency.migrations WHERE version >= {version}) THEN\n"
+    "        RAISE EXCEPTION USING\n"
+    "            ERRCODE = 'duplicate_object',\n"
+    "            MESSAGE = 'pg_idempotency migration {label} was already applied '\n"
+    "            || '(idempotency.migrations has it, or a later one)',\n"
+    "            HINT = 'Nothing was changed.';\n"
+    "    END IF;\n"
+    "END\n"
+    "$guard$;\n\n"
+)
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
 
@@ -131,6 +148,8 @@ def migration_text(version: int, name: str) -> str:
         "-- Plain SQL for any migration tool: apply the files in lexical order, each in one\n"
         "-- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).\n\n"
         + SEARCH_PATH_PIN
+        + (MIGRATION_GUARD.format(version=version, label=f"{version:04d}_{name}")
+           if version >= GUARD_FROM else "")
         + body
         + "\n-- Record this migration, whichever tool applied it.\n"
         "INSERT INTO idempotency.migrations (version, name)\n"

@@ -1,6 +1,7 @@
 -- Creates one partition of idempotency.keys, inbox, tombstones or key_directory, unless it
--- exists. Returns true when it made one. A range that overlaps an existing partition (say, one pg_partman made)
--- or rows already in the default partition is left alone and reported as not created.
+-- exists. Returns true when it made one. A range that overlaps an existing partition (say, one
+-- pg_partman made) or rows already in the default partition is left alone and reported as not
+-- created.
 CREATE FUNCTION idempotency._create_partition(
     parent text, lower_bound timestamptz, upper_bound timestamptz
 )
@@ -67,5 +68,5 @@ $$;
 
 COMMENT ON FUNCTION idempotency._create_partition(text, timestamptz, timestamptz) IS
 'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys, inbox,
-tombstones or key_directory; false when it exists, overlaps another one, or rows for it are in the default
-partition.';
+tombstones or key_directory; false when it exists, overlaps another one, or rows for it are in
+the default partition.';

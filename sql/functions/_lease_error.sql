@@ -1,7 +1,9 @@
 -- Called when a fenced write (checkpoint, heartbeat, complete, release) matched no row: finds
 -- out why and raises the documented error. Raising, not returning false, is the point: the
 -- caller's business writes in the same transaction must roll back with it.
-CREATE FUNCTION idempotency._lease_error(fn text, scope text, key text, lease_token bigint)
+CREATE FUNCTION idempotency._lease_error(
+    fn text, scope text, key text, lease_token bigint
+)
 RETURNS void
 LANGUAGE plpgsql
 STABLE

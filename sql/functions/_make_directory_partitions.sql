@@ -21,6 +21,7 @@ DECLARE
     v_current timestamptz := date_bin(v_width, _make_directory_partitions.reference_time,
                                       v_origin);
     v_lower timestamptz;
+    v_moved idempotency.key_directory[];
     v_step idempotency.maintenance_action;
 BEGIN
     SELECT max(p.upper_bound) INTO v_lower
@@ -40,15 +41,15 @@ BEGIN
             -- run after CREATE EXTENSION, or after a long pause) move into the new partition,
             -- under the table's exclusive lock so that no claim misses them meanwhile.
             LOCK TABLE idempotency.key_directory IN ACCESS EXCLUSIVE MODE;
-            CREATE TEMPORARY TABLE idempotency_moving_directory
-            (LIKE idempotency.key_directory) ON COMMIT DROP;
             WITH moved AS (
                 DELETE FROM idempotency.key_directory_default AS d
                 WHERE d.created_at >= v_lower AND d.created_at < v_lower + v_width
                 RETURNING d.*
             )
-            INSERT INTO pg_temp.idempotency_moving_directory SELECT * FROM moved;
-            GET DIAGNOSTICS v_step.row_count = ROW_COUNT;
+            SELECT array_agg(ROW(m.scope, m.key_hash, m.created_at)::idempotency.key_directory),
+                   count(*)
+            INTO v_moved, v_step.row_count
+            FROM moved AS m;
             IF NOT idempotency._create_partition('key_directory', v_lower,
                                                  v_lower + v_width) THEN
                 RAISE EXCEPTION USING ERRCODE = 'duplicate_table', MESSAGE = format(
@@ -56,8 +57,7 @@ BEGIN
                     v_step.partition_name);
             END IF;
             INSERT INTO idempotency.key_directory
-            SELECT * FROM pg_temp.idempotency_moving_directory;
-            DROP TABLE pg_temp.idempotency_moving_directory;
+            SELECT m.* FROM unnest(v_moved) AS m;
             IF v_step.row_count > 0 THEN
                 v_step.reason := format('with %s rows moved out of key_directory_default',
                                         v_step.row_count);

@@ -1,7 +1,8 @@
 -- The partitions of idempotency.keys, inbox, tombstones or key_directory with their bounds,
--- read back from the catalog rather than from their names: partitions made by pg_partman, or under an earlier
--- partition_interval, are seen exactly as the ones maintain() made. Bounds PostgreSQL prints
--- as MINVALUE/MAXVALUE are returned as NULL, and maintain() never touches such a partition.
+-- read back from the catalog rather than from their names: partitions made by pg_partman, or
+-- under an earlier partition_interval, are seen exactly as the ones maintain() made. Bounds
+-- PostgreSQL prints as MINVALUE/MAXVALUE are returned as NULL, and maintain() never touches such
+-- a partition.
 --
 -- pg_get_expr prints the bounds as text in the session's DateStyle and TimeZone, and a zone
 -- abbreviation does not always read back as itself: Europe/Dublin's summer "IST" reads as

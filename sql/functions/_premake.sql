@@ -31,7 +31,7 @@ BEGIN
     END LOOP;
     -- The directory's partitions follow their own, wider window.
     v_created := v_created + (
-        SELECT count(*) FROM idempotency._make_directory_partitions(
+        SELECT count(*)::integer FROM idempotency._make_directory_partitions(
             v_settings, _premake.reference_time) AS a
         WHERE a.action = 'created');
     RETURN v_created;

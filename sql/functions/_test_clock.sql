@@ -23,7 +23,7 @@ BEGIN
         RETURN clock_timestamp();
     END IF;
     IF v_invoker = 'none' THEN
-        v_invoker := session_user;
+        v_invoker := session_user::text;
     END IF;
     IF NOT pg_has_role(
         v_invoker,

@@ -248,8 +248,8 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
-'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones (opt-in), drop
-partitions wholly older than the retention (never the newest), move rows out of the default
+'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones
+(opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
 Returns what it did. See docs/maintenance.md.';

@@ -33,17 +33,23 @@ LOCK TABLE idempotency.keys, idempotency.tombstones IN SHARE MODE;
 -- Partitions of the directory from the oldest key or tombstone on (none before the settings
 -- row exists, as inside CREATE EXTENSION before its first maintain(): the rows then wait in
 -- the default partition, and maintain() moves them out).
+WITH oldest AS (
+    SELECT least(
+        (SELECT min(k.created_at) FROM idempotency.keys AS k),
+        (SELECT min(t.created_at) FROM idempotency.tombstones AS t)
+    ) AS created_at
+),
+
+made AS (
+    SELECT a.action
+    FROM idempotency.settings AS s
+    CROSS JOIN oldest AS o
+    CROSS JOIN LATERAL idempotency._make_directory_partitions(s, now(), o.created_at) AS a
+)
+
 SELECT count(*) AS directory_partitions_created
-FROM idempotency.settings AS s
-CROSS JOIN LATERAL idempotency._make_directory_partitions(
-    s, now(), (
-        SELECT least(
-            (SELECT min(k.created_at) FROM idempotency.keys AS k),
-            (SELECT min(t.created_at) FROM idempotency.tombstones AS t)
-        )
-    )
-) AS a
-WHERE a.action = 'created';
+FROM made
+WHERE made.action = 'created';
 
 -- One row per (scope, key): the key's own row if it has one, else its newest live tombstone,
 -- which is what claim() used to find first.

@@ -55,7 +55,10 @@ VALUES
 );
 -- Rows made by hand need their directory rows too (claim() writes both).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT k.scope, sha256(convert_to(k.key, 'UTF8')), k.created_at
+SELECT
+    k.scope,
+    sha256(convert_to(k.key, 'UTF8')) AS key_hash,
+    k.created_at
 FROM idempotency.keys AS k
 WHERE k.scope = 'iso';
 

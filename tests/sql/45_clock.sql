@@ -44,22 +44,34 @@ SELECT throws_ok(
     || 'schema idempotency',
     'app role: claim with a reference_time: IK017'
 );
-SELECT is(pg_temp.rows('acct_42', 'order-2'), '0 keys, 0 directory',
-          'the refused claim wrote nothing');
 SELECT is(
-    pg_temp.as_app($q$SELECT (idempotency.claim('acct_42', 'order-2', '{"amount": 50}')).outcome$q$),
+    pg_temp.rows('acct_42', 'order-2'), '0 keys, 0 directory',
+    'the refused claim wrote nothing'
+);
+SELECT is(
+    pg_temp.as_app(
+        $q$SELECT (idempotency.claim('acct_42', 'order-2', '{"amount": 50}')).outcome$q$
+    ),
     'claimed', 'app role: the same claim without reference_time is claimed'
 );
 SELECT throws_ok(
-    format($$SELECT pg_temp.as_app('SELECT idempotency.heartbeat(''acct_42'', ''order-2'', %s,
+    format(
+        $$SELECT pg_temp.as_app('SELECT idempotency.heartbeat(''acct_42'', ''order-2'', %s,
         ''1 day'', reference_time => ''infinity'')')$$,
-        (SELECT lease_token FROM idempotency.keys WHERE key = 'order-2')),
+        (
+            SELECT lease_token FROM idempotency.keys
+            WHERE key = 'order-2'
+        )
+    ),
     'IK017', NULL,
     'app role: heartbeat with reference_time => infinity: IK017'
 );
 SELECT is(
-    (SELECT lease_expires_at < clock_timestamp() + interval '1 minute'
-     FROM idempotency.keys WHERE key = 'order-2'),
+    (
+        SELECT lease_expires_at < clock_timestamp() + interval '1 minute'
+        FROM idempotency.keys
+        WHERE key = 'order-2'
+    ),
     true, 'and the lease is still the 30 seconds the claim gave'
 );
 SELECT throws_ok(
@@ -97,35 +109,50 @@ SELECT is(
     'owner: a key claimed now'
 );
 SELECT is(
-    (idempotency.claim('owner', 'order-2', '{"amount": 50}',
-                       reference_time => clock_timestamp() - interval '2 hours')).outcome,
+    (idempotency.claim(
+        'owner', 'order-2', '{"amount": 50}',
+        reference_time => clock_timestamp() - interval '2 hours'
+    )).outcome,
     'in_progress',
     'the same key claimed with the clock 2 hours back is in progress, not claimed'
 );
 SELECT is(
-    (idempotency.claim('owner', 'order-2', '{"amount": 50}',
-                       reference_time => clock_timestamp() - interval '400 days')).outcome,
+    (idempotency.claim(
+        'owner', 'order-2', '{"amount": 50}',
+        reference_time => clock_timestamp() - interval '400 days'
+    )).outcome,
     'in_progress',
     'and with the clock 400 days back too'
 );
 SELECT is(
-    (idempotency.claim('owner', 'order-2', '{"amount": 51}',
-                       reference_time => clock_timestamp() + interval '3 hours')).outcome,
+    (idempotency.claim(
+        'owner', 'order-2', '{"amount": 51}',
+        reference_time => clock_timestamp() + interval '3 hours'
+    )).outcome,
     'mismatch',
     'a different request 3 hours ahead is a mismatch'
 );
-SELECT is(pg_temp.rows('owner', 'order-2'), '1 keys, 1 directory',
-          'one row in keys and one in the directory');
+SELECT is(
+    pg_temp.rows('owner', 'order-2'), '1 keys, 1 directory',
+    'one row in keys and one in the directory'
+);
 
 -- A key claimed 90 minutes ahead is found and completed with its token.
 SELECT is(
-    (idempotency.claim('owner', 'ahead', '{}',
-                       reference_time => clock_timestamp() + interval '90 minutes')).outcome,
+    (idempotency.claim(
+        'owner', 'ahead', '{}',
+        reference_time => clock_timestamp() + interval '90 minutes'
+    )).outcome,
     'claimed', 'owner: a key claimed 90 minutes ahead'
 );
 SELECT lives_ok(
-    format($$SELECT idempotency.complete('owner', 'ahead', %s, 201, '{"ok": true}')$$,
-           (SELECT lease_token FROM idempotency.keys WHERE key = 'ahead')),
+    format(
+        $$SELECT idempotency.complete('owner', 'ahead', %s, 201, '{"ok": true}')$$,
+        (
+            SELECT lease_token FROM idempotency.keys
+            WHERE key = 'ahead'
+        )
+    ),
     'completes now with its token'
 );
 SELECT is(
