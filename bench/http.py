@@ -35,7 +35,8 @@ none, ...), so machine noise hits them alike; per round we take middleware/none 
 middleware/recipe, and report the medians of those ratios and of each variant's requests/s.
 After every measurement the ledger is checked for duplicates (rows whose ref appears more than
 once): for middleware and recipe there must be none (the exit status is 1 otherwise); for none
-the replayed requests are duplicates by construction. Status counts cover the warm-up too.
+the replayed requests are duplicates by construction. Status counts, and the uvicorn process's
+CPU time per answer (from /proc, Linux only), cover the warm-up too.
 This is a benchmark, not a test: apart from the duplicate count it prints numbers only.
 
     .venv/bin/python bench/http.py [--seconds 5] [--rounds 3] [--clients 16,64]
@@ -60,6 +61,7 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
+import os  # noqa: E402
 import random  # noqa: E402
 import socket  # noqa: E402
 import statistics  # noqa: E402
@@ -341,9 +343,19 @@ def start_servers(dsn: str, pool_size: int) -> dict[str, tuple[subprocess.Popen[
     return servers
 
 
-def measure(conn: Any, variant: str, port: int, clients: int, load: str, tag: str,
-            args: argparse.Namespace) -> dict[str, Any]:
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(conn: Any, variant: str, server: subprocess.Popen[bytes], port: int, clients: int,
+            load: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
     conn.execute(TRUNCATE_SQL)
+    cpu_before = cpu_seconds(server.pid)
     cfg = {"port": port, "clients": clients, "load": load, "prefix": tag,
            "warmup": args.warmup, "seconds": args.seconds}
     out = subprocess.run([sys.executable, str(SELF), "--client", json.dumps(cfg)],
@@ -352,6 +364,9 @@ def measure(conn: Any, variant: str, port: int, clients: int, load: str, tag: st
     if out.returncode != 0:
         raise SystemExit(f"the load client failed:\n{out.stdout}\n{out.stderr}")
     result = json.loads(out.stdout)
+    answers = sum(result["statuses"].values())
+    # the uvicorn process's CPU per answer, warm-up included (the client's start-up is idle)
+    result["server_cpu_ms"] = (cpu_seconds(server.pid) - cpu_before) * 1000 / max(answers, 1)
     result["duplicates"], result["ledger_rows"] = conn.execute(DUPLICATES_SQL).fetchone()
     return result
 
@@ -382,12 +397,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             per = {}
                             for variant in VARIANTS:
                                 tag = f"{variant[0]}{clients}{load[0]}{r}"
-                                res = measure(conn, variant, servers[variant][1], clients,
-                                              load, tag, args)
+                                proc, port = servers[variant]
+                                res = measure(conn, variant, proc, port, clients, load, tag,
+                                              args)
                                 per[variant] = res
                                 print(f"  {load:8s} c={clients:<3d} round {r + 1}  "
                                       f"{variant:10s} {res['rps']:7.0f} req/s  "
                                       f"p50 {res['p50_ms']:5.1f} ms  p99 {res['p99_ms']:6.1f} ms"
+                                      f"  server CPU {res['server_cpu_ms']:4.2f} ms/req"
                                       f"  replayed {res['replayed']:5d}  "
                                       f"non-2xx {res['non_2xx']}  "
                                       f"dup rows {res['duplicates']}  "
@@ -415,6 +432,8 @@ def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str
             r["middleware"]["rps"] / r["recipe"]["rps"] for r in rounds),
         "duplicates": {v: total(v, "duplicates") for v in VARIANTS},
         "non_2xx": {v: total(v, "non_2xx") for v in VARIANTS},
+        "server_cpu_ms": {v: statistics.median(r[v]["server_cpu_ms"] for r in rounds)
+                          for v in VARIANTS},
     }
 
 
@@ -450,15 +469,17 @@ def main() -> int:
     print(f"\nmedian of {args.rounds} round(s), {args.seconds:g}s each, requests/s "
           f"(non-2xx and duplicate ledger rows summed over the rounds):\n")
     print("| load | none rps | middleware rps | recipe rps | middleware/none "
-          "| middleware/recipe | duplicates (mw, recipe) | non-2xx (none, mw, recipe) |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| middleware/recipe | duplicates (mw, recipe) | non-2xx (none, mw, recipe) "
+          "| server CPU ms/req (none, mw, recipe) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in results:
-        dup, bad = r["duplicates"], r["non_2xx"]
+        dup, bad, cpu = r["duplicates"], r["non_2xx"], r["server_cpu_ms"]
         print(f"| {r['load']}, {r['clients']} clients | {r['none_rps']:.0f} "
               f"| {r['middleware_rps']:.0f} | {r['recipe_rps']:.0f} "
               f"| {r['middleware_over_none']:.2f} | {r['middleware_over_recipe']:.2f} "
               f"| {dup['middleware']}, {dup['recipe']} "
-              f"| {bad['none']}, {bad['middleware']}, {bad['recipe']} |")
+              f"| {bad['none']}, {bad['middleware']}, {bad['recipe']} "
+              f"| {cpu['none']:.2f}, {cpu['middleware']:.2f}, {cpu['recipe']:.2f} |")
     print(f"\n(none's duplicates are its replayed requests, by construction; "
           f"took {time.monotonic() - started:.0f}s)")
     if args.json:
