@@ -1,0 +1,497 @@
+#!/usr/bin/env python3
+"""Benchmark: one FastAPI endpoint over real HTTP, without idempotency, with the middleware,
+and with the hand-written recipe a user would write instead.
+
+The endpoint is ``POST /payments``: it parses the JSON body ``{"account": ..., "amount": ...}``,
+sleeps 2 ms (standing in for the payment processor's call), inserts one row into
+``ledger(ref, account, amount)`` (``ref`` is the Idempotency-Key) and answers 201 with a small
+JSON body. Three variants of it, each served by uvicorn in a process of its own (asyncio loop,
+httptools if installed else h11), each with the same AsyncConnectionPool size, all against one
+PostgreSQL 15 server with the default durability (fsync, synchronous_commit, full_page_writes on):
+
+  none        no idempotency: the handler inserts the ledger row in a transaction of its own
+  middleware  pg_idempotency.asgi.IdempotencyMiddleware (Policy.REQUIRED, wait=0): the handler
+              inserts on ``get_operation(request).conn``; the response is stored in the same
+              commit
+  recipe      the usual hand-written recipe: a ``recipe_keys`` table; INSERT ... ON CONFLICT DO
+              NOTHING RETURNING in its own transaction; on a conflict SELECT ... FOR UPDATE and
+              replay (same hash, completed), 422 (other hash) or 409 (in progress); for a new key
+              the work, then one transaction with the ledger insert and the UPDATE to completed;
+              on an error the key row is deleted. It has no lease (a crash mid-request leaves the
+              key in progress for good), no expiry, and hashes the body's bytes, not its JSON.
+
+The load generator is a raw asyncio HTTP/1.1 client (hand-written requests with Content-Length,
+keep-alive, one connection per simulated client), in a process of its own, so the numbers are
+the server's cost, not an HTTP library's. Loads, for each --clients count:
+
+  fresh       every request carries a new Idempotency-Key
+  replay30    30% of the requests resend a key that was answered 2xx before, with the same body:
+              replays for middleware and recipe; new payments for none (it has no key semantics,
+              the header is sent all the same)
+
+Each measurement truncates the tables, warms up for --warmup seconds, then counts the answers in
+the next --seconds. The variants run interleaved, round by round (none, middleware, recipe,
+none, ...), so machine noise hits them alike; per round we take middleware/none and
+middleware/recipe, and report the medians of those ratios and of each variant's requests/s.
+After every measurement the ledger is checked for duplicates (rows whose ref appears more than
+once): for middleware and recipe there must be none (the exit status is 1 otherwise); for none
+the replayed requests are duplicates by construction. Status counts, and the uvicorn process's
+CPU time per answer (from /proc, Linux only), cover the warm-up too.
+This is a benchmark, not a test: apart from the duplicate count it prints numbers only.
+
+    .venv/bin/python bench/http.py [--seconds 5] [--rounds 3] [--clients 16,64]
+                                   [--loads fresh,replay30] [--pool 16] [--json PATH]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This file is called http.py: drop its directory from the import path before anything imports
+# the standard library's ``http`` package (starlette and uvicorn do).
+SELF = Path(__file__).resolve()
+BENCH = SELF.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
+ROOT = BENCH.parent
+sys.path.insert(0, str(ROOT / "python"))
+sys.path.insert(0, str(ROOT / "tests"))
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
+from typing import Any  # noqa: E402
+
+# at module level: FastAPI resolves the handlers' (string) annotations in this module's globals
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, Response  # noqa: E402
+from psycopg_pool import AsyncConnectionPool  # noqa: E402
+
+from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation  # noqa: E402
+
+VARIANTS = ("none", "middleware", "recipe")
+LOADS = ("fresh", "replay30")
+REPLAY_SHARE = 0.30
+PROCESSOR_DELAY = 0.002
+DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+
+SCHEMA_SQL = """
+CREATE TABLE ledger (ref text, account text, amount int);
+CREATE TABLE recipe_keys (
+    account text, key text, request_hash bytea, status text,
+    response_code int, response_body text,
+    PRIMARY KEY (account, key)
+);
+"""
+TRUNCATE_SQL = "TRUNCATE ledger, recipe_keys, idempotency.keys"
+DUPLICATES_SQL = """
+SELECT coalesce(sum(n), 0)::int, (SELECT count(*) FROM ledger)::int
+FROM (SELECT count(*) AS n FROM ledger GROUP BY ref HAVING count(*) > 1) AS d
+"""
+
+
+# -- the server (a subprocess: bench/http.py --serve VARIANT) -----------------------------------
+
+def make_app(variant: str, dsn: str, pool_size: int) -> Any:
+    pool = AsyncConnectionPool(dsn, min_size=pool_size, max_size=pool_size, open=False)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> Any:
+        await pool.open(wait=True)
+        yield
+        await pool.close()
+
+    app = FastAPI(lifespan=lifespan)
+    insert = "INSERT INTO ledger (ref, account, amount) VALUES (%s, %s, %s)"
+
+    if variant == "none":
+        @app.post("/payments")
+        async def pay_none(request: Request) -> Response:
+            data = await request.json()
+            ref = request.headers.get("idempotency-key")
+            await asyncio.sleep(PROCESSOR_DELAY)
+            async with pool.connection() as conn, conn.transaction():
+                await conn.execute(insert, (ref, data["account"], data["amount"]))
+            return JSONResponse({"ref": ref, "account": data["account"],
+                                 "amount": data["amount"]}, status_code=201)
+
+    elif variant == "middleware":
+        app.add_middleware(IdempotencyMiddleware, pool=pool,
+                           scope=lambda request: request.headers.get("x-account"),
+                           routes={"POST /payments": Policy.REQUIRED})
+
+        @app.post("/payments")
+        async def pay_middleware(request: Request) -> Response:
+            op = get_operation(request)
+            assert op is not None  # the route requires the key
+            data = await request.json()
+            await asyncio.sleep(PROCESSOR_DELAY)
+            await op.conn.execute(insert, (op.key, data["account"], data["amount"]))
+            return JSONResponse({"ref": op.key, "account": data["account"],
+                                 "amount": data["amount"]}, status_code=201)
+
+    elif variant == "recipe":
+        def problem(status: int, title: str) -> Response:
+            return JSONResponse({"title": title, "status": status}, status_code=status,
+                                media_type="application/problem+json")
+
+        @app.post("/payments")
+        async def pay_recipe(request: Request) -> Response:
+            account = request.headers.get("x-account")
+            key = request.headers.get("idempotency-key")
+            if not account:
+                return problem(401, "Unknown caller")
+            if not key:
+                return problem(400, "Idempotency-Key header required")
+            body = await request.body()
+            digest = hashlib.sha256(b"POST /payments\n" + body).digest()
+            async with pool.connection() as conn:
+                async with conn.transaction():
+                    cur = await conn.execute(
+                        "INSERT INTO recipe_keys (account, key, request_hash, status)"
+                        " VALUES (%s, %s, %s, 'in_progress')"
+                        " ON CONFLICT DO NOTHING RETURNING 1", (account, key, digest))
+                    claimed = await cur.fetchone() is not None
+                if not claimed:
+                    async with conn.transaction():
+                        cur = await conn.execute(
+                            "SELECT request_hash, status, response_code, response_body"
+                            " FROM recipe_keys WHERE account = %s AND key = %s FOR UPDATE",
+                            (account, key))
+                        row = await cur.fetchone()
+            if not claimed:
+                if row is None or (row[0] == digest and row[1] != "completed"):
+                    # in progress (or just released after an error): retry later
+                    return problem(409, "Request in progress")
+                if row[0] != digest:
+                    return problem(422, "Idempotency-Key reused")
+                return Response(row[3], status_code=row[2], media_type="application/json",
+                                headers={"Idempotent-Replayed": "true"})
+            try:
+                data = json.loads(body)
+                await asyncio.sleep(PROCESSOR_DELAY)
+                response = JSONResponse({"ref": key, "account": data["account"],
+                                         "amount": data["amount"]}, status_code=201)
+                async with pool.connection() as conn, conn.transaction():
+                    await conn.execute(insert, (key, data["account"], data["amount"]))
+                    cur = await conn.execute(
+                        "UPDATE recipe_keys SET status = 'completed', response_code = %s,"
+                        " response_body = %s WHERE account = %s AND key = %s"
+                        " AND status = 'in_progress'",
+                        (response.status_code, response.body.decode(), account, key))
+                    if cur.rowcount != 1:
+                        raise RuntimeError("key row gone while the request ran")
+                return response
+            except BaseException:
+                async with pool.connection() as conn, conn.transaction():
+                    await conn.execute("DELETE FROM recipe_keys WHERE account = %s AND key = %s"
+                                       " AND status = 'in_progress'", (account, key))
+                raise
+
+    else:
+        raise SystemExit(f"unknown variant {variant!r}")
+    return app
+
+
+def serve(variant: str, dsn: str, port: int, pool_size: int) -> None:
+    import importlib.util
+
+    import uvicorn
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    config = uvicorn.Config(make_app(variant, dsn, pool_size), host="127.0.0.1", port=port,
+                            loop="asyncio", http=http, log_level="warning", access_log=False,
+                            lifespan="on")
+    uvicorn.Server(config).run()
+
+
+# -- the load generator (a subprocess: bench/http.py --client JSON) -----------------------------
+
+async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if b"content-length" in headers:
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            parts.append(await reader.readexactly(size + 2))
+            if size == 0:
+                break
+        body = b"".join(p[:-2] for p in parts)
+    else:
+        body = await reader.read()
+    return status, headers, body
+
+
+async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
+    port, prefix = cfg["port"], cfg["prefix"]
+    replay_share = REPLAY_SHARE if cfg["load"] == "replay30" else 0.0
+    host = f"127.0.0.1:{port}".encode()
+    answered: list[tuple[bytes, bytes, bytes]] = []  # (key, account, body) answered 2xx
+    statuses: Counter[int] = Counter()
+    latencies: list[float] = []
+    state = {"measuring": False, "stop": False, "replayed": 0, "errors": 0}
+
+    async def worker(i: int) -> None:
+        rng = random.Random(f"{prefix}{i}")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        n = 0
+        try:
+            while not state["stop"]:
+                resend = bool(answered) and rng.random() < replay_share
+                if resend:
+                    key, account, body = rng.choice(answered)
+                else:
+                    n += 1
+                    key = f"{prefix}-{i}-{n}".encode()
+                    account = f"acct_{i % 10}".encode()
+                    body = json.dumps({"account": account.decode(),
+                                       "amount": rng.randint(1, 10_000)}).encode()
+                request = (b"POST /payments HTTP/1.1\r\nHost: " + host
+                           + b"\r\nContent-Type: application/json\r\nContent-Length: "
+                           + str(len(body)).encode() + b"\r\nX-Account: " + account
+                           + b"\r\nIdempotency-Key: " + key + b"\r\n\r\n" + body)
+                started = time.perf_counter()
+                writer.write(request)
+                try:
+                    status, headers, _content = await read_response(reader)
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    state["errors"] += 1
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                    continue
+                if state["measuring"]:
+                    latencies.append(time.perf_counter() - started)
+                statuses[status] += 1
+                if headers.get(b"idempotent-replayed") == b"true":
+                    state["replayed"] += 1
+                if 200 <= status < 300 and not resend:
+                    answered.append((key, account, body))
+                if headers.get(b"connection", b"").lower() == b"close":
+                    writer.close()
+                    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        finally:
+            writer.close()
+
+    tasks = [asyncio.create_task(worker(i)) for i in range(cfg["clients"])]
+    await asyncio.sleep(cfg["warmup"])
+    state["measuring"] = True
+    start = time.perf_counter()
+    await asyncio.sleep(cfg["seconds"])
+    state["measuring"], state["stop"] = False, True  # at once: the window is exact
+    elapsed = time.perf_counter() - start
+    await asyncio.gather(*tasks)  # each finishes its request in flight
+    latencies.sort()
+
+    def pct(q: float) -> float:
+        if not latencies:
+            return 0.0
+        return latencies[min(len(latencies) - 1, int(q * len(latencies)))] * 1000
+
+    return {
+        "rps": len(latencies) / elapsed, "measured": len(latencies),
+        "p50_ms": pct(0.50), "p99_ms": pct(0.99),
+        "statuses": {str(k): v for k, v in sorted(statuses.items())},
+        "non_2xx": sum(v for k, v in statuses.items() if not 200 <= k < 300),
+        "replayed": state["replayed"], "connection_errors": state["errors"],
+    }
+
+
+# -- the driver ---------------------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_servers(dsn: str, pool_size: int) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
+    servers = {}
+    for variant in VARIANTS:
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, str(SELF), "--serve", variant, "--dsn", dsn,
+                                 "--port", str(port), "--pool", str(pool_size)])
+        servers[variant] = (proc, port)
+    for variant, (proc, port) in servers.items():
+        deadline = time.monotonic() + 60
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the {variant} server exited with {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the {variant} server did not start") from None
+                time.sleep(0.05)
+    return servers
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process ``pid`` (Linux /proc; 0 elsewhere)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(conn: Any, variant: str, server: subprocess.Popen[bytes], port: int, clients: int,
+            load: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
+    conn.execute(TRUNCATE_SQL)
+    cpu_before = cpu_seconds(server.pid)
+    cfg = {"port": port, "clients": clients, "load": load, "prefix": tag,
+           "warmup": args.warmup, "seconds": args.seconds}
+    out = subprocess.run([sys.executable, str(SELF), "--client", json.dumps(cfg)],
+                         capture_output=True, text=True, check=False,
+                         timeout=args.warmup + args.seconds + 120)
+    if out.returncode != 0:
+        raise SystemExit(f"the load client failed:\n{out.stdout}\n{out.stderr}")
+    result = json.loads(out.stdout)
+    answers = sum(result["statuses"].values())
+    # the uvicorn process's CPU per answer, warm-up included (the client's start-up is idle)
+    result["server_cpu_ms"] = (cpu_seconds(server.pid) - cpu_before) * 1000 / max(answers, 1)
+    result["duplicates"], result["ledger_rows"] = conn.execute(DUPLICATES_SQL).fetchone()
+    return result
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import psycopg
+
+    import pgharness
+
+    with pgharness.PgServer(pgharness.flavour_bindir("pg15"), extra_conf=DURABLE,
+                            name="bench-http") as server:
+        server.run_psql(server.dsn(), "CREATE DATABASE bench")
+        dsn = server.dsn("bench")
+        for migration in sorted((ROOT / "migrations").glob("*.sql")):
+            server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+        server.run_psql(dsn, SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        version = " ".join(server.version.split()[:2])
+        print(f"{version}, default durability; pool {args.pool} per server; "
+              f"{args.rounds} round(s) x {args.seconds}s after {args.warmup}s warm-up", flush=True)
+        servers = start_servers(dsn, args.pool)
+        results = []
+        try:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                for clients in args.clients:
+                    for load in args.loads:
+                        rounds = []
+                        for r in range(args.rounds):
+                            per = {}
+                            for variant in VARIANTS:
+                                tag = f"{variant[0]}{clients}{load[0]}{r}"
+                                proc, port = servers[variant]
+                                res = measure(conn, variant, proc, port, clients, load, tag,
+                                              args)
+                                per[variant] = res
+                                print(f"  {load:8s} c={clients:<3d} round {r + 1}  "
+                                      f"{variant:10s} {res['rps']:7.0f} req/s  "
+                                      f"p50 {res['p50_ms']:5.1f} ms  p99 {res['p99_ms']:6.1f} ms"
+                                      f"  server CPU {res['server_cpu_ms']:4.2f} ms/req"
+                                      f"  replayed {res['replayed']:5d}  "
+                                      f"non-2xx {res['non_2xx']}  "
+                                      f"dup rows {res['duplicates']}  "
+                                      f"statuses {res['statuses']}", flush=True)
+                            rounds.append(per)
+                        results.append(summarise(clients, load, rounds))
+        finally:
+            for proc, _port in servers.values():
+                proc.terminate()
+            for proc, _port in servers.values():
+                proc.wait(30)
+        return results
+
+
+def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    def total(variant: str, field: str) -> int:
+        return sum(r[variant][field] for r in rounds)
+
+    return {
+        "clients": clients, "load": load, "rounds": rounds,
+        **{f"{v}_rps": statistics.median(r[v]["rps"] for r in rounds) for v in VARIANTS},
+        "middleware_over_none": statistics.median(
+            r["middleware"]["rps"] / r["none"]["rps"] for r in rounds),
+        "middleware_over_recipe": statistics.median(
+            r["middleware"]["rps"] / r["recipe"]["rps"] for r in rounds),
+        "duplicates": {v: total(v, "duplicates") for v in VARIANTS},
+        "non_2xx": {v: total(v, "non_2xx") for v in VARIANTS},
+        "server_cpu_ms": {v: statistics.median(r[v]["server_cpu_ms"] for r in rounds)
+                          for v in VARIANTS},
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--clients", default="16,64")
+    parser.add_argument("--loads", default=",".join(LOADS))
+    parser.add_argument("--pool", type=int, default=16, help="pool size of every server")
+    parser.add_argument("--json", metavar="PATH", help="write all results here")
+    # internal: the server and client subprocesses
+    parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--dsn", help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--client", metavar="CONFIG", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        serve(args.serve, args.dsn, args.port, args.pool)
+        return 0
+    if args.client:
+        print(json.dumps(asyncio.run(load_client(json.loads(args.client)))))
+        return 0
+    args.clients = [int(c) for c in args.clients.split(",")]
+    args.loads = args.loads.split(",")
+    for load in args.loads:
+        if load not in LOADS:
+            parser.error(f"unknown load {load!r} (choose from {', '.join(LOADS)})")
+
+    started = time.monotonic()
+    results = run(args)
+    print(f"\nmedian of {args.rounds} round(s), {args.seconds:g}s each, requests/s "
+          f"(non-2xx and duplicate ledger rows summed over the rounds):\n")
+    print("| load | none rps | middleware rps | recipe rps | middleware/none "
+          "| middleware/recipe | duplicates (mw, recipe) | non-2xx (none, mw, recipe) "
+          "| server CPU ms/req (none, mw, recipe) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in results:
+        dup, bad, cpu = r["duplicates"], r["non_2xx"], r["server_cpu_ms"]
+        print(f"| {r['load']}, {r['clients']} clients | {r['none_rps']:.0f} "
+              f"| {r['middleware_rps']:.0f} | {r['recipe_rps']:.0f} "
+              f"| {r['middleware_over_none']:.2f} | {r['middleware_over_recipe']:.2f} "
+              f"| {dup['middleware']}, {dup['recipe']} "
+              f"| {bad['none']}, {bad['middleware']}, {bad['recipe']} "
+              f"| {cpu['none']:.2f}, {cpu['middleware']:.2f}, {cpu['recipe']:.2f} |")
+    print(f"\n(none's duplicates are its replayed requests, by construction; "
+          f"took {time.monotonic() - started:.0f}s)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
+             "pool": args.pool, "results": results}, indent=2) + "\n")
+    bad_dups = sum(r["duplicates"]["middleware"] + r["duplicates"]["recipe"] for r in results)
+    if bad_dups:
+        print(f"DUPLICATES: {bad_dups} ledger rows with a repeated key (middleware/recipe)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
