@@ -6,7 +6,8 @@
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
-#   make bench   benchmarks (bench/run.py, bench/retention.py)
+#   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
+#                bench/retention.py); results in docs/benchmarks.md
 #   make clean   remove .venv, build/ and caches
 
 SHELL := /bin/bash
@@ -95,7 +96,10 @@ run: $(STAMP)
 	$(PY) tools/run.py $(RUN_ARGS)
 
 bench: setup
+	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
 	$(PY) bench/run.py
+	$(PY) bench/partitions.py
+	$(PY) bench/http.py
 	$(PY) bench/retention.py
 
 clean:

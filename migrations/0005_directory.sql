@@ -418,6 +418,8 @@ RETURNS void
 LANGUAGE plpgsql
 STABLE
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_state text;
@@ -464,6 +466,86 @@ $$;
 COMMENT ON FUNCTION idempotency._lease_error(text, text, text, bigint) IS
 'Internal: raise IK001, IK003 or IK004 for a fenced write that matched no row.';
 
+-- sql/functions/_resume_existing.sql
+-- What a claim or a takeover of an existing, matching key gets: the stored response, the
+-- owner's remaining lease (with its interim response, if accept() stored one), or, when the
+-- lease has expired, the key itself under a new token.
+-- Returns NULL when the takeover lost a race (the owner heartbeated, completed or released in
+-- between); the caller then reads the key again.
+CREATE OR REPLACE FUNCTION idempotency._resume_existing(
+    existing idempotency.keys, lease interval, reference_time timestamptz
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_result idempotency.claim_result;
+BEGIN
+    IF (_resume_existing.existing).state = 'completed' THEN
+        v_result.outcome := 'replay';
+        v_result.recovery_point := (_resume_existing.existing).recovery_point;
+        v_result.attempts := (_resume_existing.existing).attempts;
+        v_result.response_status := (_resume_existing.existing).response_status;
+        v_result.response_headers := (_resume_existing.existing).response_headers;
+        v_result.response_body := (_resume_existing.existing).response_body;
+        v_result.response_body_bytes := (_resume_existing.existing).response_body_bytes;
+        v_result.response_content_type := (_resume_existing.existing).response_content_type;
+        v_result.created_at := (_resume_existing.existing).created_at;
+        v_result.completed_at := (_resume_existing.existing).completed_at;
+        RETURN v_result;
+    END IF;
+
+    IF (_resume_existing.existing).lease_expires_at > _resume_existing.reference_time THEN
+        v_result.outcome := 'in_progress';
+        -- An owner that stored an interim response with accept() gets it replayed: every retry
+        -- of a long-running operation sees the same 202 (and status URL) until it completes.
+        IF (_resume_existing.existing).response_status IS NOT NULL THEN
+            v_result.outcome := 'accepted';
+            v_result.response_status := (_resume_existing.existing).response_status;
+            v_result.response_headers := (_resume_existing.existing).response_headers;
+            v_result.response_body := (_resume_existing.existing).response_body;
+            v_result.response_content_type := (_resume_existing.existing).response_content_type;
+        END IF;
+        v_result.lease_expires_at := (_resume_existing.existing).lease_expires_at;
+        v_result.recovery_point := (_resume_existing.existing).recovery_point;
+        v_result.attempts := (_resume_existing.existing).attempts;
+        v_result.retry_after :=
+            (_resume_existing.existing).lease_expires_at - _resume_existing.reference_time;
+        v_result.created_at := (_resume_existing.existing).created_at;
+        RETURN v_result;
+    END IF;
+
+    -- Take over: a compare-and-set on the token we read. Under READ COMMITTED a concurrent
+    -- heartbeat, complete or release makes the re-checked WHERE fail, and we report NULL.
+    UPDATE idempotency.keys AS k
+    SET lease_token = nextval('idempotency.lease_token_seq'),
+        lease_expires_at = _resume_existing.reference_time + _resume_existing.lease,
+        attempts = k.attempts + 1
+    WHERE k.scope = (_resume_existing.existing).scope
+      AND k.key = (_resume_existing.existing).key
+      AND k.created_at = (_resume_existing.existing).created_at
+      AND k.lease_token = (_resume_existing.existing).lease_token
+      AND k.state = 'in_progress'
+      AND k.lease_expires_at <= _resume_existing.reference_time
+    RETURNING 'resumed', k.lease_token, k.lease_expires_at, k.recovery_point, k.attempts,
+              NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+              NULL::interval, k.created_at, NULL::timestamptz
+    INTO v_result;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._resume_existing(idempotency.keys, interval, timestamptz) IS
+'Internal: replay, report in progress or accepted, or take over an existing key whose
+fingerprint matched.';
+
 -- sql/functions/claim.sql
 -- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
 -- retries see the claim at once; its advisory lock lasts until that transaction ends.
@@ -491,6 +573,8 @@ VOLATILE
 -- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()
@@ -646,6 +730,8 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN checkpoint.reference_time IS NULL THEN clock_timestamp()
@@ -706,6 +792,8 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN heartbeat.reference_time IS NULL THEN clock_timestamp()
@@ -765,6 +853,8 @@ RETURNS timestamptz
 LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN _finish.reference_time IS NULL THEN clock_timestamp()
@@ -798,7 +888,6 @@ BEGIN
         completed_at = v_now
     WHERE k.scope = _finish.scope AND k.key = _finish.key
       AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
-      -- Lets the executor skip the partitions made ahead (see claim()).
       AND k.created_at = v_created_at
     RETURNING k.completed_at INTO v_completed;
     IF NOT FOUND THEN
@@ -840,6 +929,8 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
@@ -907,6 +998,8 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_created_at timestamptz;
@@ -957,6 +1050,8 @@ LANGUAGE plpgsql
 VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN takeover.reference_time IS NULL THEN clock_timestamp()

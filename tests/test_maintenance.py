@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import re
-
 import threading
 import time
 from datetime import datetime, timedelta

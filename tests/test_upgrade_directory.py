@@ -19,9 +19,9 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg.types.json import Jsonb
+from test_install import INSTALL_ARGS, MIGRATIONS, reinstall_this_build, scratch_db
 
 from pgharness import PgServer
-from test_install import MIGRATIONS, INSTALL_ARGS, reinstall_this_build, scratch_db
 
 CLAIM = ("SELECT outcome, lease_token, response_body, created_at "
          "FROM idempotency.claim(%s, %s, %s, reference_time => %s)")

@@ -18,6 +18,8 @@ RETURNS timestamptz
 LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN _finish.reference_time IS NULL THEN clock_timestamp()
@@ -51,7 +53,6 @@ BEGIN
         completed_at = v_now
     WHERE k.scope = _finish.scope AND k.key = _finish.key
       AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
-      -- Lets the executor skip the partitions made ahead (see claim()).
       AND k.created_at = v_created_at
     RETURNING k.completed_at INTO v_completed;
     IF NOT FOUND THEN

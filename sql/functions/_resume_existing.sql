@@ -10,6 +10,8 @@ RETURNS idempotency.claim_result
 LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_result idempotency.claim_result;

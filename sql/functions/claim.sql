@@ -24,6 +24,8 @@ VOLATILE
 -- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
 SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
     v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()

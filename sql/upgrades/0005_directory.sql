@@ -19,6 +19,7 @@ LOCK TABLE idempotency.keys, idempotency.tombstones IN SHARE MODE;
 -- @replace functions/_partitions.sql
 -- @replace functions/_premake.sql
 -- @replace functions/_lease_error.sql
+-- @replace functions/_resume_existing.sql
 -- @replace functions/claim.sql
 -- @replace functions/checkpoint.sql
 -- @replace functions/heartbeat.sql

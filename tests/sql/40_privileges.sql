@@ -509,9 +509,14 @@ SELECT is_empty(
         AND p.proconfig <> ARRAY['search_path=pg_catalog, pg_temp']
         AND NOT (p.proname IN ('_partitions', '_create_partition')
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
-                                         'DateStyle=ISO, YMD', 'TimeZone=UTC'])$$,
+                                         'DateStyle=ISO, YMD', 'TimeZone=UTC'])
+        AND NOT (p.proname IN ('claim', '_resume_existing', '_finish', 'heartbeat',
+                               'checkpoint', 'accept', 'release', 'takeover', '_lease_error')
+                 AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
+                                         'plan_cache_mode=force_generic_plan'])$$,
     'the pinned search_path is exactly pg_catalog, pg_temp (and DateStyle ISO, TimeZone UTC '
-    || 'where bounds become text; nothing else is set)'
+    || 'where bounds become text, generic plans where a key''s partition is addressed; '
+    || 'nothing else is set)'
 );
 SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", l.lanname::text COLLATE "default" FROM pg_proc AS p
