@@ -50,6 +50,8 @@ INSERT INTO idempotency.keys (scope, key, fingerprint, state, lease_token, creat
 SELECT 'acct_' || (g % 100), 'pre' || g, sha256(g::text::bytea), 'completed', g,
        now() - (g % 1440) * interval '1 minute', 201, '{}', '{"id": "ch_pre"}', now()
 FROM generate_series(1, {prefill}) AS g;
+INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
+SELECT scope, sha256(convert_to(key, 'UTF8')), created_at FROM idempotency.keys;
 INSERT INTO bench_bare SELECT * FROM idempotency.keys;
 VACUUM ANALYZE;
 """

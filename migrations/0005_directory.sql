@@ -1446,6 +1446,77 @@ partitions, create settings.premake partitions ahead. Skips and reports any step
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
 Returns what it did. See docs/maintenance.md.';
 
+-- sql/functions/partition_status.sql
+-- Observability, for operators (pg-idempotency status): every partition of keys, inbox,
+-- tombstones and key_directory with its rows, its size, and when maintain() will drop it. Counts rows exactly,
+-- partition by partition, so it reads every row too.
+CREATE OR REPLACE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.partition_status
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(partition_status.reference_time, clock_timestamp());
+    v_settings idempotency.settings;
+    v_parent text;
+    v_newest timestamptz;
+    v_window interval;
+    v_part record;
+    v_row idempotency.partition_status;
+BEGIN
+    SELECT s.* INTO v_settings FROM idempotency.settings AS s;
+    IF NOT FOUND THEN
+        -- Before the first _premake() or maintain(): the defaults apply.
+        v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
+                          interval '30 days', true, interval '200 milliseconds');
+    END IF;
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones', 'key_directory'] LOOP
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  WHEN 'key_directory'
+                                      THEN idempotency._directory_window(v_settings)
+                                  ELSE v_settings.retention END;
+        SELECT max(p.upper_bound) INTO v_newest
+        FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        FOR v_part IN
+            SELECT p.* FROM idempotency._partitions(v_parent) AS p
+        LOOP
+            v_row := ROW(v_parent, v_part.partition_name, v_part.lower_bound,
+                         v_part.upper_bound, NULL::bigint, NULL::bigint, NULL::timestamptz,
+                         NULL::text);
+            EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+            INTO v_row.row_count;
+            v_row.total_bytes :=
+                pg_total_relation_size(format('idempotency.%I', v_part.partition_name));
+            IF v_part.is_default THEN
+                v_row.note := 'default';
+            ELSIF v_parent IN ('keys', 'inbox') AND NOT v_settings.manage_partitions THEN
+                v_row.note := 'managed elsewhere';
+            ELSIF v_part.upper_bound = v_newest THEN
+                v_row.note := 'newest';
+            ELSE
+                v_row.drop_after := v_part.upper_bound + v_window;
+                v_row.note := CASE
+                    WHEN v_row.drop_after <= v_now THEN 'due'
+                    WHEN v_part.lower_bound > v_now THEN 'ahead'
+                    WHEN v_part.upper_bound > v_now THEN 'current'
+                    ELSE 'retained' END;
+            END IF;
+            RETURN NEXT v_row;
+        END LOOP;
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
+'Every partition of keys, inbox, tombstones and key_directory: bounds, exact row count, total
+size, and drop_after (when maintain() will drop it; NULL for the default and the newest
+partition).';
+
+
+COMMENT ON TYPE idempotency.partition_status IS
+'One partition of keys, inbox, tombstones or key_directory, as reported by
+idempotency.partition_status().';
 
 -- Partitions of the directory from the oldest key or tombstone on (none before the settings
 -- row exists, as inside CREATE EXTENSION before its first maintain(): the rows then wait in

@@ -149,6 +149,11 @@ async def test_argument_errors(flavour: Any) -> None:
          dict(scope="s", key="k", request={}, lease=0)),
         (errors.ArgumentConflict, "IK016", "fingerprint",
          dict(scope="s", key="k", request={}, fingerprint=b"x" * 32)),
+        # The test clock must be finite and far from overflow (the owner may pass it; an
+        # application role gets IK017, ArgumentNotAllowed: tests/sql/45_clock.sql).
+        (errors.ArgumentOutOfRange, "IK014", "reference_time",
+         dict(scope="s", key="k", request={},
+              reference_time=datetime(9999, 6, 1, tzinfo=timezone.utc))),
     ]
     for cls, state, argument, kwargs in cases:
         with pytest.raises(cls) as info:

@@ -11,14 +11,15 @@ the caller as psycopg raised them.
     ├── KeyNotFound               IK003
     ├── AlreadyCompleted          IK004
     ├── IsolationNotSupported     IK005
-    ├── InvalidArgument           IK010..IK016, also a ValueError
+    ├── InvalidArgument           IK010..IK017, also a ValueError
     │   ├── ArgumentNull          IK010
     │   ├── ArgumentEmpty         IK011
     │   ├── ArgumentTooLong       IK012
     │   ├── ArgumentInvalidCharacters IK013
     │   ├── ArgumentOutOfRange    IK014
     │   ├── ArgumentWrongType     IK015
-    │   └── ArgumentConflict      IK016
+    │   ├── ArgumentConflict      IK016
+    │   └── ArgumentNotAllowed    IK017
     ├── KeyInProgress             outcome in_progress (no SQLSTATE: claim returns it)
     ├── KeyExpired                outcome expired (no SQLSTATE: claim returns it)
     ├── PgCronNotInstalled        IK020
@@ -85,7 +86,7 @@ class IsolationNotSupported(IdempotencyError):
 
 
 class InvalidArgument(IdempotencyError, ValueError):
-    """IK010..IK016: an argument the engine refuses. ``argument`` names it (the error's COLUMN
+    """IK010..IK017: an argument the engine refuses. ``argument`` names it (the error's COLUMN
     field), ``function`` is the SQL function. The pure-Python twins in
     :mod:`pg_idempotency.fingerprint` raise it too, with the SQLSTATE the SQL function would
     raise (which may be a PostgreSQL one such as 22P05 for input jsonb itself refuses)."""
@@ -128,6 +129,11 @@ class ArgumentWrongType(InvalidArgument):
 
 class ArgumentConflict(InvalidArgument):
     """IK016: both request and fingerprint given to claim()."""
+
+
+class ArgumentNotAllowed(InvalidArgument):
+    """IK017: reference_time (the engine's test clock) passed by a role that does not own the
+    schema."""
 
 
 class KeyInProgress(IdempotencyError):
@@ -174,13 +180,14 @@ _INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
     "IK014": ArgumentOutOfRange,
     "IK015": ArgumentWrongType,
     "IK016": ArgumentConflict,
+    "IK017": ArgumentNotAllowed,
 }
 
 
 def invalid_argument(function: str, argument: str | None, sqlstate: str,
                      problem: str) -> InvalidArgument:
     """The :class:`InvalidArgument` subclass for ``sqlstate`` (the base class for a code that
-    is not one of IK010..IK016)."""
+    is not one of IK010..IK017)."""
     cls = _INVALID_BY_SQLSTATE.get(sqlstate, InvalidArgument)
     return cls(function, argument, sqlstate, problem)
 

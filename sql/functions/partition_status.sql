@@ -1,5 +1,5 @@
--- Observability, for operators (pg-idempotency status): every partition of keys, inbox and
--- tombstones with its rows, its size, and when maintain() will drop it. Counts rows exactly,
+-- Observability, for operators (pg-idempotency status): every partition of keys, inbox,
+-- tombstones and key_directory with its rows, its size, and when maintain() will drop it. Counts rows exactly,
 -- partition by partition, so it reads every row too.
 CREATE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
 RETURNS SETOF idempotency.partition_status
@@ -22,8 +22,10 @@ BEGIN
         v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
                           interval '30 days', true, interval '200 milliseconds');
     END IF;
-    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones', 'key_directory'] LOOP
         v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  WHEN 'key_directory'
+                                      THEN idempotency._directory_window(v_settings)
                                   ELSE v_settings.retention END;
         SELECT max(p.upper_bound) INTO v_newest
         FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
@@ -39,7 +41,7 @@ BEGIN
                 pg_total_relation_size(format('idempotency.%I', v_part.partition_name));
             IF v_part.is_default THEN
                 v_row.note := 'default';
-            ELSIF v_parent <> 'tombstones' AND NOT v_settings.manage_partitions THEN
+            ELSIF v_parent IN ('keys', 'inbox') AND NOT v_settings.manage_partitions THEN
                 v_row.note := 'managed elsewhere';
             ELSIF v_part.upper_bound = v_newest THEN
                 v_row.note := 'newest';
@@ -58,5 +60,6 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
-'Every partition of keys, inbox and tombstones: bounds, exact row count, total size, and
-drop_after (when maintain() will drop it; NULL for the default and the newest partition).';
+'Every partition of keys, inbox, tombstones and key_directory: bounds, exact row count, total
+size, and drop_after (when maintain() will drop it; NULL for the default and the newest
+partition).';

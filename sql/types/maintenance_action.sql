@@ -2,7 +2,7 @@
 CREATE TYPE idempotency.maintenance_action AS (
     -- created | moved | deleted | tombstoned | dropped | skipped
     action text,
-    -- keys | inbox | tombstones; NULL when the whole run was skipped.
+    -- keys | inbox | tombstones | key_directory; NULL when the whole run was skipped.
     parent_table text,
     -- The partition concerned (without schema), when there is one.
     partition_name text,

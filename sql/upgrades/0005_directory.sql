@@ -30,6 +30,11 @@ LOCK TABLE idempotency.keys, idempotency.tombstones IN SHARE MODE;
 -- @replace functions/list_abandoned.sql
 -- @replace functions/inbox_accept.sql
 -- @replace functions/maintain.sql
+-- @replace functions/partition_status.sql
+
+COMMENT ON TYPE idempotency.partition_status IS
+'One partition of keys, inbox, tombstones or key_directory, as reported by
+idempotency.partition_status().';
 
 -- Partitions of the directory from the oldest key or tombstone on (none before the settings
 -- row exists, as inside CREATE EXTENSION before its first maintain(): the rows then wait in
