@@ -27,6 +27,9 @@ $guard$;
 -- its created_at names. The cost of every call no longer grows with the partitions of keys or
 -- tombstones, and no time bound (so no reference_time) decides where a key is looked for.
 -- reference_time is now a test clock only the schema owner may pass (_test_clock).
+-- Also (hardening): JSON nested deeper than 128 arrays and objects is refused with IK014 instead
+-- of running out of stack (54001), and a multi-dimensional fingerprint fields array with IK015
+-- instead of 0A000.
 
 -- No claim, completion or release may change keys until the directory holds every one of
 -- them: sessions still running the old functions wait here until this migration commits.
@@ -246,6 +249,164 @@ COMMENT ON FUNCTION idempotency._make_directory_partitions(
 ) IS
 'Internal: create the partitions of idempotency.key_directory for reference_time and the next
 window (and, given oldest, from there on).';
+
+-- sql/functions/_canonical_json.sql
+-- The canonical text of a JSON value, the input of fingerprint() and derive_key(). Defined
+-- exactly in docs/fingerprint.md so that a client in any language can compute the same bytes:
+--   * objects: members sorted by key in code point (UTF-8 byte) order, "key":value, joined by ",";
+--   * arrays: elements in order, joined by ",";
+--   * numbers: plain decimal, no exponent, no "+", no trailing fractional zeros, no trailing ".",
+--     so 10, 10.0 and 1e1 all read 10 (jsonb keeps the exact decimal, so nothing is rounded);
+--   * strings: JSON escapes for '"', '\' and U+0000..U+001F (\b \f \n \r \t, else \u00xx in
+--     lower-case hex), every other character as itself in UTF-8;
+--   * true, false, null as such; no whitespace anywhere.
+-- Scalars are formatted in place rather than by a recursive call, which is what keeps a flat
+-- request body to a single call. Nesting deeper than 128 arrays and objects is refused with
+-- IK014 naming the caller's argument (without a limit, about 520 levels ran out of stack:
+-- 54001); the Python twin (pg_idempotency.fingerprint) refuses the same.
+CREATE FUNCTION idempotency._canonical_json(
+    value jsonb, fn text, argument text, depth integer
+)
+RETURNS text
+LANGUAGE plpgsql
+IMMUTABLE
+STRICT
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF _canonical_json.depth > 128 THEN
+        PERFORM idempotency._invalid_argument(
+            _canonical_json.fn, _canonical_json.argument, 'IK014',
+            'must not nest arrays and objects more than 128 deep');
+    END IF;
+    CASE jsonb_typeof(_canonical_json.value)
+        WHEN 'object' THEN
+            RETURN '{' || coalesce((
+                SELECT string_agg(
+                    to_json(m.key)::text || ':' || CASE jsonb_typeof(m.value)
+                        WHEN 'number' THEN trim_scale(m.value::numeric)::text
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1)
+                        ELSE m.value::text
+                    END,
+                    ',' ORDER BY m.key COLLATE "C")
+                FROM jsonb_each(_canonical_json.value) AS m
+            ), '') || '}';
+        WHEN 'array' THEN
+            RETURN '[' || coalesce((
+                SELECT string_agg(
+                    CASE jsonb_typeof(e.value)
+                        WHEN 'number' THEN trim_scale(e.value::numeric)::text
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1)
+                        ELSE e.value::text
+                    END,
+                    ',' ORDER BY e.ordinality)
+                FROM jsonb_array_elements(_canonical_json.value) WITH ORDINALITY AS e
+            ), '') || ']';
+        WHEN 'number' THEN
+            RETURN trim_scale(_canonical_json.value::numeric)::text;
+        ELSE
+            -- string, boolean, null: jsonb's text form is already the canonical one.
+            RETURN _canonical_json.value::text;
+    END CASE;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer) IS
+'Internal: canonical_json() at nesting depth, for fn''s argument (which an error names).';
+
+-- sql/functions/canonical_json.sql
+-- The canonical text of a JSON value (docs/fingerprint.md); the work is done by
+-- idempotency._canonical_json, which says which argument of which function was refused.
+CREATE OR REPLACE FUNCTION idempotency.canonical_json(value jsonb)
+RETURNS text
+LANGUAGE sql
+IMMUTABLE
+STRICT
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+    SELECT idempotency._canonical_json(value, 'idempotency.canonical_json', 'value', 1);
+$$;
+
+COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
+'Canonical text of a JSON value (sorted keys, plain decimal numbers, minimal escapes, no
+whitespace), as defined in docs/fingerprint.md.';
+
+-- sql/functions/fingerprint.sql
+-- sha256 of the canonical request. defaults are applied first (a shallow merge: a top-level
+-- field the request omits takes its default, so omitting a field and sending its default give
+-- the same fingerprint); then, when fields is given, only those top-level fields count, so
+-- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
+-- retry into a mismatch.
+CREATE OR REPLACE FUNCTION idempotency.fingerprint(
+    request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
+)
+RETURNS bytea
+LANGUAGE plpgsql
+IMMUTABLE
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_request jsonb := fingerprint.request;
+BEGIN
+    IF v_request IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
+        IF jsonb_typeof(v_request) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'request', 'IK015',
+                'must be a JSON object when defaults or fields are given',
+                format('It is a JSON %s.', jsonb_typeof(v_request)));
+        END IF;
+        IF jsonb_typeof(fingerprint.defaults) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
+                format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
+        END IF;
+        IF array_ndims(fingerprint.fields) > 1 THEN
+            -- (array_position would raise 0A000 on it.)
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'fields', 'IK015', 'must be a one-dimensional array',
+                format('It has %s dimensions.', array_ndims(fingerprint.fields)));
+        END IF;
+        IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
+                                                  'must not contain NULL');
+        END IF;
+        v_request := coalesce(fingerprint.defaults, '{}') || v_request;
+        IF fingerprint.fields IS NOT NULL THEN
+            SELECT coalesce(jsonb_object_agg(m.key, m.value), '{}') INTO v_request
+            FROM jsonb_each(v_request) AS m
+            WHERE m.key = ANY(fingerprint.fields);
+        END IF;
+    END IF;
+    RETURN sha256(convert_to(
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1),
+        'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.fingerprint(jsonb, jsonb, text[]) IS
+'sha256 (32 bytes) of the canonical form of request, after applying defaults and keeping only
+fields when given. Definition and test vectors: docs/fingerprint.md, tests/vectors/fingerprint.json.';
 
 -- sql/functions/_create_partition.sql
 -- Creates one partition of idempotency.keys, inbox, tombstones or key_directory, unless it
@@ -612,7 +773,9 @@ BEGIN
             'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
     ELSE
         -- fingerprint(request) without its defaults/fields handling, saving a call.
-        v_fingerprint := sha256(convert_to(idempotency.canonical_json(claim.request), 'UTF8'));
+        v_fingerprint := sha256(convert_to(
+            idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+            'UTF8'));
     END IF;
     v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
     IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -1448,8 +1611,8 @@ Returns what it did. See docs/maintenance.md.';
 
 -- sql/functions/partition_status.sql
 -- Observability, for operators (pg-idempotency status): every partition of keys, inbox,
--- tombstones and key_directory with its rows, its size, and when maintain() will drop it. Counts rows exactly,
--- partition by partition, so it reads every row too.
+-- tombstones and key_directory with its rows, its size, and when maintain() will drop it.
+-- Counts rows exactly, partition by partition, so it reads every row too.
 CREATE OR REPLACE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
 RETURNS SETOF idempotency.partition_status
 LANGUAGE plpgsql

@@ -154,3 +154,53 @@ def test_python_matches_sql_for_values_sent_as_jsonb(db: str) -> None:
                 "SELECT idempotency.canonical_json(%s)", (Jsonb(value),)
             ).fetchone()
             assert canonical_json(value) == canonical
+
+
+def _nested(depth: int) -> object:
+    """An array nested ``depth`` deep (the outermost counts), with a small object inside."""
+    value: object = {"a": 1}
+    for _ in range(depth - 1):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("depth", [128, 129, 600])
+def test_nesting_limit_is_the_same_in_sql_and_python(db: str, depth: int) -> None:
+    """Up to 128 nested arrays and objects are fine in both; deeper is IK014 naming the
+    argument in both (without the limit the database ran out of stack, 54001, at ~520)."""
+    request = _nested(depth)
+    text = json.dumps(request)
+    with psycopg.connect(db, autocommit=True) as conn:
+        calls = [("SELECT idempotency.fingerprint(%s::jsonb)", "request", fingerprint),
+                 ("SELECT idempotency.canonical_json(%s::jsonb)", "value", canonical_json),
+                 ("SELECT (idempotency.claim('nest', 'k', %s::jsonb)).outcome", "request", None)]
+        for sql, argument, twin in calls:
+            if depth <= 128:
+                got = conn.execute(sql, (text,)).fetchone()[0]
+                if twin is fingerprint:
+                    assert got == fingerprint(request)
+                elif twin is canonical_json:
+                    assert got == canonical_json(request)
+                else:
+                    assert got == "claimed"
+                continue
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute(sql, (text,))
+            assert (info.value.sqlstate, info.value.diag.column_name) == ("IK014", argument)
+            if twin is not None:
+                with pytest.raises(InvalidArgument) as py:
+                    twin(request)
+                assert (py.value.sqlstate, py.value.argument) == ("IK014", argument)
+        if depth > 128:
+            assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'nest'"
+                                ).fetchone()[0] == 0
+
+
+def test_fields_must_be_one_dimensional(db: str) -> None:
+    with psycopg.connect(db, autocommit=True) as conn, pytest.raises(psycopg.Error) as info:
+        conn.execute("SELECT idempotency.fingerprint('{\"a\": 1}', "
+                     "fields => ARRAY[['a', 'b'], ['c', 'd']])")
+    assert (info.value.sqlstate, info.value.diag.column_name) == ("IK015", "fields")
+    with pytest.raises(InvalidArgument) as py:
+        fingerprint({"a": 1}, fields=[["a", "b"], ["c", "d"]])
+    assert (py.value.sqlstate, py.value.argument) == ("IK015", "fields")

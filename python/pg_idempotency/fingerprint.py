@@ -209,7 +209,12 @@ def _string(s: str, fn: str, argument: str) -> str:
     return '"' + s.translate(_ESCAPE_TABLE) + '"'
 
 
-def _canonical(value: Any, fn: str, argument: str) -> str:
+# As idempotency._canonical_json: arrays and objects nested deeper than this are refused
+# (IK014), so the database and this twin refuse the same requests.
+MAX_DEPTH = 128
+
+
+def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
     if value is None:
         return "null"
     if value is True:
@@ -220,16 +225,19 @@ def _canonical(value: Any, fn: str, argument: str) -> str:
         return _string(value, fn, argument)
     if isinstance(value, (int, float, Decimal)):
         return _number(value, fn, argument)
+    if isinstance(value, (Mapping, list, tuple)) and depth > MAX_DEPTH:
+        raise invalid_argument(fn, argument, "IK014",
+                              f"must not nest arrays and objects more than {MAX_DEPTH} deep")
     if isinstance(value, Mapping):
         for k in value:
             if not isinstance(k, str):
                 raise invalid_argument(fn, argument, "22P02",
                                       f"has an object key {k!r} that is not a string")
         return "{" + ",".join(
-            _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument)
+            _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
             for k in sorted(value)
         ) + "}"
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_canonical(v, fn, argument) for v in value) + "]"
+        return "[" + ",".join(_canonical(v, fn, argument, depth + 1) for v in value) + "]"
     raise invalid_argument(fn, argument, "22P02",
                           f"contains a {type(value).__name__}, which is not a JSON value")

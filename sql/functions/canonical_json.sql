@@ -1,55 +1,16 @@
--- The canonical text of a JSON value, the input of fingerprint() and derive_key(). Defined
--- exactly in docs/fingerprint.md so that a client in any language can compute the same bytes:
---   * objects: members sorted by key in code point (UTF-8 byte) order, "key":value, joined by ",";
---   * arrays: elements in order, joined by ",";
---   * numbers: plain decimal, no exponent, no "+", no trailing fractional zeros, no trailing ".",
---     so 10, 10.0 and 1e1 all read 10 (jsonb keeps the exact decimal, so nothing is rounded);
---   * strings: JSON escapes for '"', '\' and U+0000..U+001F (\b \f \n \r \t, else \u00xx in
---     lower-case hex), every other character as itself in UTF-8;
---   * true, false, null as such; no whitespace anywhere.
--- Scalars are formatted in place rather than by a recursive call, which is what keeps a flat
--- request body to a single call.
+-- The canonical text of a JSON value (docs/fingerprint.md); the work is done by
+-- idempotency._canonical_json, which says which argument of which function was refused.
 CREATE FUNCTION idempotency.canonical_json(value jsonb)
 RETURNS text
-LANGUAGE plpgsql
+LANGUAGE sql
 IMMUTABLE
 STRICT
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
 PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
-BEGIN
-    CASE jsonb_typeof(canonical_json.value)
-        WHEN 'object' THEN
-            RETURN '{' || coalesce((
-                SELECT string_agg(
-                    to_json(m.key)::text || ':' || CASE jsonb_typeof(m.value)
-                        WHEN 'number' THEN trim_scale(m.value::numeric)::text
-                        WHEN 'object' THEN idempotency.canonical_json(m.value)
-                        WHEN 'array' THEN idempotency.canonical_json(m.value)
-                        ELSE m.value::text
-                    END,
-                    ',' ORDER BY m.key COLLATE "C")
-                FROM jsonb_each(canonical_json.value) AS m
-            ), '') || '}';
-        WHEN 'array' THEN
-            RETURN '[' || coalesce((
-                SELECT string_agg(
-                    CASE jsonb_typeof(e.value)
-                        WHEN 'number' THEN trim_scale(e.value::numeric)::text
-                        WHEN 'object' THEN idempotency.canonical_json(e.value)
-                        WHEN 'array' THEN idempotency.canonical_json(e.value)
-                        ELSE e.value::text
-                    END,
-                    ',' ORDER BY e.ordinality)
-                FROM jsonb_array_elements(canonical_json.value) WITH ORDINALITY AS e
-            ), '') || ']';
-        WHEN 'number' THEN
-            RETURN trim_scale(canonical_json.value::numeric)::text;
-        ELSE
-            -- string, boolean, null: jsonb's text form is already the canonical one.
-            RETURN canonical_json.value::text;
-    END CASE;
-END;
+    SELECT idempotency._canonical_json(value, 'idempotency.canonical_json', 'value', 1);
 $$;
 
 COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS

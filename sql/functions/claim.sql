@@ -63,7 +63,9 @@ BEGIN
             'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
     ELSE
         -- fingerprint(request) without its defaults/fields handling, saving a call.
-        v_fingerprint := sha256(convert_to(idempotency.canonical_json(claim.request), 'UTF8'));
+        v_fingerprint := sha256(convert_to(
+            idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+            'UTF8'));
     END IF;
     v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
     IF current_setting('transaction_isolation') <> 'read committed' THEN

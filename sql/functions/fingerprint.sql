@@ -9,6 +9,8 @@ CREATE FUNCTION idempotency.fingerprint(
 RETURNS bytea
 LANGUAGE plpgsql
 IMMUTABLE
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
 PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
@@ -31,6 +33,12 @@ BEGIN
                 'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
                 format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
         END IF;
+        IF array_ndims(fingerprint.fields) > 1 THEN
+            -- (array_position would raise 0A000 on it.)
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'fields', 'IK015', 'must be a one-dimensional array',
+                format('It has %s dimensions.', array_ndims(fingerprint.fields)));
+        END IF;
         IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
             PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
                                                   'must not contain NULL');
@@ -42,7 +50,9 @@ BEGIN
             WHERE m.key = ANY(fingerprint.fields);
         END IF;
     END IF;
-    RETURN sha256(convert_to(idempotency.canonical_json(v_request), 'UTF8'));
+    RETURN sha256(convert_to(
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1),
+        'UTF8'));
 END;
 $$;
 

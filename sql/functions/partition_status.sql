@@ -1,6 +1,6 @@
 -- Observability, for operators (pg-idempotency status): every partition of keys, inbox,
--- tombstones and key_directory with its rows, its size, and when maintain() will drop it. Counts rows exactly,
--- partition by partition, so it reads every row too.
+-- tombstones and key_directory with its rows, its size, and when maintain() will drop it.
+-- Counts rows exactly, partition by partition, so it reads every row too.
 CREATE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
 RETURNS SETOF idempotency.partition_status
 LANGUAGE plpgsql

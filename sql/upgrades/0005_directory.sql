@@ -6,6 +6,9 @@
 -- its created_at names. The cost of every call no longer grows with the partitions of keys or
 -- tombstones, and no time bound (so no reference_time) decides where a key is looked for.
 -- reference_time is now a test clock only the schema owner may pass (_test_clock).
+-- Also (hardening): JSON nested deeper than 128 arrays and objects is refused with IK014 instead
+-- of running out of stack (54001), and a multi-dimensional fingerprint fields array with IK015
+-- instead of 0A000.
 
 -- No claim, completion or release may change keys until the directory holds every one of
 -- them: sessions still running the old functions wait here until this migration commits.
@@ -15,6 +18,9 @@ LOCK TABLE idempotency.keys, idempotency.tombstones IN SHARE MODE;
 -- @include functions/_test_clock.sql
 -- @include functions/_directory_window.sql
 -- @include functions/_make_directory_partitions.sql
+-- @include functions/_canonical_json.sql
+-- @replace functions/canonical_json.sql
+-- @replace functions/fingerprint.sql
 -- @replace functions/_create_partition.sql
 -- @replace functions/_partitions.sql
 -- @replace functions/_premake.sql

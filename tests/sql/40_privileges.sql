@@ -551,7 +551,7 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", p.provolatile::text FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
-        ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
+        ('_canonical_json', 'i'), ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
         ('_check_response', 'i'),
         ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
         ('_headers_ok', 'i'),
@@ -572,9 +572,11 @@ SELECT results_eq(
 SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
-    $$VALUES ('accept'), ('checkpoint'), ('claim'), ('complete'), ('complete_bytes'), ('heartbeat'),
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
+             ('complete_bytes'), ('fingerprint'), ('heartbeat'),
              ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
-    'SECURITY DEFINER exactly on the lifecycle functions'
+    'SECURITY DEFINER exactly on the lifecycle functions (and the two that call '
+    || '_canonical_json)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
