@@ -47,19 +47,22 @@ buffered whole before they are stored: do not use this on streaming endpoints.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 import json
 import math
 import re
+import sys
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from enum import Enum
 from typing import Any
 
 import anyio
-from psycopg_pool import AsyncConnectionPool
+from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -76,12 +79,14 @@ from .errors import (
 )
 from .fingerprint import _check_name, fingerprint, loads
 
-__all__ = ["IdempotencyMiddleware", "Policy", "get_operation"]
+__all__ = ["IdempotencyMiddleware", "Policy", "PoolExhausted", "add_cleanup", "get_operation"]
 
 #: Headers that describe the operation's result, stored and replayed by default. Per-request
 #: headers (dates, trace ids, rate-limit counters, cookies) are not.
 DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
 STATE_KEY = "idempotency"
+#: Retry-After never says more than this by default (seconds), whatever the lease.
+DEFAULT_RETRY_AFTER_MAX = 2.0
 
 
 class Policy(str, Enum):
@@ -96,10 +101,53 @@ class _HandlerFailed(Exception):
     """The handler answered 5xx: treated like an exception (rolled back)."""
 
 
+class _NotStarted(Exception):
+    """The answer came before the handler asked for its operation (a framework's validation
+    error, an auth dependency's 403): nothing is stored and the key is released."""
+
+
+class PoolExhausted(RuntimeError):
+    """The handler waited in vain for a connection from the middleware's own pool."""
+
+
+@dataclass
+class _Handling:
+    """Per request: the operation, whether the handler started (asked for it), and what to
+    run once the handler has returned, before the response is stored."""
+
+    op: aio.Operation
+    started: bool = False
+    cleanups: list[Callable[[], Awaitable[None]]] = field(default_factory=list)
+
+
+def _handling(request: Request) -> _Handling | None:
+    state = request.scope.get("state") or {}
+    return state.get(STATE_KEY)  # type: ignore[no-any-return]
+
+
 def get_operation(request: Request) -> aio.Operation | None:
     """The operation the middleware opened for this request (None without a key). Its
-    ``conn`` is the connection whose open transaction commits with the stored response."""
-    return getattr(request.state, STATE_KEY, None)
+    ``conn`` is the connection whose open transaction commits with the stored response.
+
+    Calling it is what marks the handler as started: an answer sent before any call (a
+    framework's request validation, a dependency that refuses) is not stored and the key is
+    released, so call it in the handler's body, not in a dependency that runs before the
+    request is validated."""
+    handling = _handling(request)
+    if handling is None:
+        return None
+    handling.started = True
+    return handling.op
+
+
+def add_cleanup(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
+    """Run ``await fn()`` after the handler returned (or raised) and before the middleware
+    stores the response and commits, e.g. to close a session bound to ``op.conn``
+    (:func:`pg_idempotency.sqlalchemy.request_session` uses it). Cleanups run last first."""
+    handling = _handling(request)
+    if handling is None:
+        raise RuntimeError("add_cleanup(): this request has no idempotency operation")
+    handling.cleanups.append(fn)
 
 
 class IdempotencyMiddleware:
@@ -114,6 +162,19 @@ class IdempotencyMiddleware:
     - ``wait``: seconds to wait for an attempt in progress to finish (then replay) before
       answering 409; 0 answers at once.
     - ``lease``: how long a handler may run before a retry may take the key over.
+    - ``store_server_errors``: store 5xx answers as the key's result (as Stripe does) instead
+      of rolling back and releasing the key (default False: a 5xx is retried afresh).
+    - ``fingerprint_query``: whether the query string is part of the request's fingerprint
+      (default True).
+    - ``retry_after_max``: the largest ``Retry-After`` of a 409 (seconds, default 2): the hint
+      is the lease left, capped by this, and at least 1.
+    - ``pool_reserve``: connections of ``pool`` that keyed requests never hold (default 1):
+      at most ``pool.max_size - pool_reserve`` requests hold one at a time, so a handler that
+      takes up to ``pool_reserve`` more from the same pool cannot deadlock the pool.
+    - ``refuse_foreign_commits``: while a handler runs, a commit on any SQLAlchemy connection
+      other than the operation's raises
+      :class:`pg_idempotency.sqlalchemy.ForeignCommitError` (default True; only when
+      SQLAlchemy is imported).
     """
 
     def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
@@ -122,7 +183,14 @@ class IdempotencyMiddleware:
                  default_policy: Policy = Policy.OPTIONAL,
                  wait: float = 0.0, lease: timedelta | float = DEFAULT_LEASE,
                  replay_headers: Iterable[str] = DEFAULT_REPLAY_HEADERS,
-                 header_name: str = "Idempotency-Key") -> None:
+                 header_name: str = "Idempotency-Key", store_server_errors: bool = False,
+                 fingerprint_query: bool = True,
+                 retry_after_max: float = DEFAULT_RETRY_AFTER_MAX, pool_reserve: int = 1,
+                 refuse_foreign_commits: bool = True) -> None:
+        if retry_after_max < 1:
+            raise ValueError("retry_after_max must be at least 1 (second)")
+        if pool_reserve < 0:
+            raise ValueError("pool_reserve must be 0 or more")
         self.app = app
         self.pool = pool
         self.scope_of = scope
@@ -134,6 +202,22 @@ class IdempotencyMiddleware:
         self.header_name = header_name
         self._routes = [(_route_regex(pattern), policy)
                         for pattern, policy in (routes or {}).items()]
+        self.store_server_errors = store_server_errors
+        self.fingerprint_query = fingerprint_query
+        self.retry_after_max = retry_after_max
+        self.pool_reserve = pool_reserve
+        self.refuse_foreign_commits = refuse_foreign_commits
+        self._holders: anyio.Semaphore | None = None
+
+    def _holder_slots(self) -> anyio.Semaphore:
+        # Made on first use, in the server's event loop; sized from the pool when it is known.
+        if self._holders is None:
+            self._holders = anyio.Semaphore(max(1, self.pool.max_size - self.pool_reserve))
+        return self._holders
+
+    def _retry_after(self, left: timedelta | None) -> bytes:
+        seconds = left.total_seconds() if left is not None else 1.0
+        return str(max(1, math.ceil(min(seconds, self.retry_after_max)))).encode()
 
     def policy(self, method: str, path: str) -> Policy:
         for regex, policy in self._routes:
@@ -172,49 +256,67 @@ class IdempotencyMiddleware:
             return
 
         body = await _read_body(receive)
-        digest = fingerprint(_describe(scope, body))
+        if body is None:
+            # The client went away before its body was complete: that is not a request.
+            # Nothing is claimed, so its retry with the whole body is the first attempt.
+            return
+        digest = fingerprint(_describe(scope, body, query=self.fingerprint_query))
         deadline = time.monotonic() + self.wait
         pause = 0.02
         while True:
-            async with self.pool.connection() as conn:
-                op = aio.operation(conn, caller, key, None, fingerprint=digest, lease=self.lease)
-                try:
-                    await op.__aenter__()
-                except KeyMismatch:
-                    await _problem(send, 422, f"{self.header_name} reused",
-                                   f"This {self.header_name} was used with a different "
-                                   "request. Use a new key for a new request.")
+            try:
+                async with self._holder_slots(), self.pool.connection() as conn:
+                    answered, retry_after = await self._attempt(conn, caller, key, digest,
+                                                                scope, receive, send, body)
+                if answered:
                     return
-                except KeyExpired:
-                    await _problem(send, 422, f"{self.header_name} expired",
-                                   f"This {self.header_name} was used and has expired. Use a "
-                                   "new key for a new request.")
-                    return
-                except KeyInProgress as exc:
-                    retry_after = exc.retry_after
-                else:
-                    stored = op.replay if op.replay is not None else op.accepted
-                    if stored is not None:
-                        # replay, or a worker's interim answer (outcome accepted): the same
-                        # response again, never a second execution.
-                        await _send_replay(send, stored)
-                    else:
-                        await self._execute(op, scope, receive, send, body)
-                    return
+            except PoolTimeout:
+                await _problem(send, 503, "No database connection",
+                               "No connection to the idempotency store was free in time. "
+                               "Retry later.", [(b"retry-after", self._retry_after(None))])
+                return
             left = deadline - time.monotonic()
             if left <= 0:
-                seconds = retry_after.total_seconds() if retry_after else 1
                 await _problem(send, 409, "Request in progress",
                                "A request with this key is being processed. Retry later.",
-                               [(b"retry-after", str(max(1, math.ceil(seconds))).encode())])
+                               [(b"retry-after", self._retry_after(retry_after))])
                 return
             await anyio.sleep(min(pause, left))
             pause = min(pause * 2, 0.25)
 
+    async def _attempt(self, conn: Any, caller: str, key: str, digest: bytes, scope: Scope,
+                       receive: Receive, send: Send, body: bytes
+                       ) -> tuple[bool, timedelta | None]:
+        """One claim: (True, None) once the request is answered, (False, the lease left) while
+        another attempt holds the key."""
+        op = aio.operation(conn, caller, key, None, fingerprint=digest, lease=self.lease)
+        try:
+            await op.__aenter__()
+        except KeyMismatch:
+            await _problem(send, 422, f"{self.header_name} reused",
+                           f"This {self.header_name} was used with a different request. Use a "
+                           "new key for a new request.")
+        except KeyExpired:
+            await _problem(send, 422, f"{self.header_name} expired",
+                           f"This {self.header_name} was used and has expired. Use a new key "
+                           "for a new request.")
+        except KeyInProgress as exc:
+            return False, exc.retry_after
+        else:
+            stored = op.replay if op.replay is not None else op.accepted
+            if stored is not None:
+                # replay, or a worker's interim answer (outcome accepted): the same response
+                # again, never a second execution.
+                await _send_replay(send, stored)
+            else:
+                await self._execute(op, scope, receive, send, body)
+        return True, None
+
     async def _execute(self, op: aio.Operation, scope: Scope, receive: Receive, send: Send,
                        body: bytes) -> None:
+        handling = _Handling(op)
         state = dict(scope.get("state") or {})
-        state[STATE_KEY] = op
+        state[STATE_KEY] = handling
         inner = dict(scope, state=state)
         sent_body = False
 
@@ -236,7 +338,12 @@ class IdempotencyMiddleware:
                 chunks.append(message.get("body", b""))
 
         try:
-            await self.app(inner, receive_again, capture)
+            try:
+                with self._guard(op):
+                    await self.app(inner, receive_again, capture)
+            finally:
+                for cleanup in reversed(handling.cleanups):
+                    await cleanup()
             if start is None:
                 raise RuntimeError("the application sent no response")
             if op.response is not None and op.response.completed_at is None:
@@ -245,11 +352,23 @@ class IdempotencyMiddleware:
                 # Send what was stored, so that this answer and its replays are the same.
                 await _send_stored(send, op.response)
                 return
-            if start["status"] >= 500:
+            if not handling.started:
+                raise _NotStarted(start["status"])
+            if start["status"] >= 500 and not self.store_server_errors:
                 raise _HandlerFailed(start["status"])
+        except PoolTimeout as exc:
+            error = PoolExhausted(
+                f"the handler timed out waiting for a database connection ({exc}). If it "
+                "asked the middleware's pool: each keyed request holds one of its "
+                f"{self.pool.max_size} connections until the response is stored, and "
+                f"pool_reserve={self.pool_reserve} are kept free for handlers. Use op.conn "
+                "(or pg_idempotency.sqlalchemy.request_session), take at most pool_reserve "
+                "connections at once, or use another pool.")
+            await op.__aexit__(PoolExhausted, error, None)
+            raise error from exc
         except BaseException as exc:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
-            if isinstance(exc, _HandlerFailed) and start is not None:
+            if isinstance(exc, (_HandlerFailed, _NotStarted)) and start is not None:
                 await _send(send, start["status"], start.get("headers", []), b"".join(chunks))
                 return
             raise
@@ -275,6 +394,16 @@ class IdempotencyMiddleware:
             return
         await _send(send, start["status"], headers, content)
 
+    def _guard(self, op: aio.Operation) -> contextlib.AbstractContextManager[Any]:
+        """While the handler runs, refuse commits on other SQLAlchemy connections: their writes
+        would not be fenced by the key (see pg_idempotency.sqlalchemy). Only when the app has
+        imported SQLAlchemy; the adapter module is loaded then, never otherwise."""
+        if self.refuse_foreign_commits and "sqlalchemy" in sys.modules:
+            from . import sqlalchemy as sa_adapter
+
+            return sa_adapter.refuse_foreign_commits(op.conn)
+        return contextlib.nullcontext()
+
 
 def _route_regex(pattern: str) -> re.Pattern[str]:
     method, _, path = pattern.strip().partition(" ")
@@ -283,25 +412,24 @@ def _route_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(f"{re.escape(method.upper())} {body}")
 
 
-async def _read_body(receive: Receive) -> bytes:
+async def _read_body(receive: Receive) -> bytes | None:
+    """The whole body, or None when the client disconnected before its last chunk."""
     chunks = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            return None
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
-            break
-    return b"".join(chunks)
+            return b"".join(chunks)
 
 
-def _describe(scope: Scope, body: bytes) -> dict[str, Any]:
-    """What the fingerprint covers: method, path, query string and body."""
-    request: dict[str, Any] = {
-        "method": scope["method"],
-        "path": scope["path"],
-        "query": scope.get("query_string", b"").decode("latin-1"),
-    }
+def _describe(scope: Scope, body: bytes, *, query: bool = True) -> dict[str, Any]:
+    """What the fingerprint covers: method, path, the query string (unless ``query`` is
+    False) and body."""
+    request: dict[str, Any] = {"method": scope["method"], "path": scope["path"]}
+    if query:
+        request["query"] = scope.get("query_string", b"").decode("latin-1")
     content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
     if body and "json" in content_type:
         try:
