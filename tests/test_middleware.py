@@ -18,7 +18,9 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from payments_helpers import ledger_rows, lifespan, payments, uvicorn_server
-from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation
+from pg_idempotency import aio
+from pg_idempotency.asgi import IdempotencyMiddleware, Policy, _describe, get_operation
+from pg_idempotency.fingerprint import fingerprint
 
 pytestmark = pytest.mark.anyio
 
@@ -73,15 +75,23 @@ async def test_replay_400_401_422(db: str) -> None:
         theirs = await post(client, "k1", {"amount": 50}, **{"X-Account": "acct_7"})
         assert theirs.status_code == 201 and "idempotent-replayed" not in theirs.headers
 
-        # a validation error is the handler's answer: stored and replayed like any other
+        # FastAPI's request validation answers before the handler runs: not stored, the key
+        # is released, and the corrected request with the same key is the first attempt
         bad = await post(client, "k2", {"amount": -1})
         assert bad.status_code == 422 and "idempotent-replayed" not in bad.headers
-        assert (await post(client, "k2", {"amount": -1})).headers["idempotent-replayed"] == "true"
+        again_bad = await post(client, "k2", {"amount": -1})
+        assert again_bad.status_code == 422 and "idempotent-replayed" not in again_bad.headers
+        with psycopg.connect(db) as conn:
+            assert conn.execute("SELECT 1 FROM idempotency.keys WHERE key = 'k2'").fetchone() \
+                is None
+        fixed = await post(client, "k2", {"amount": 60})
+        assert fixed.status_code == 201 and "idempotent-replayed" not in fixed.headers
 
         located = await client.get(first.headers["location"], headers=ACCT)
         assert located.status_code == 200 and located.json() == first.json()
-    assert [r[:2] for r in ledger_rows(db)] == [("acct_42", 50), ("acct_7", 50)]
-    assert processor.calls == 2
+    assert [r[:2] for r in ledger_rows(db)] == [("acct_42", 50), ("acct_7", 50),
+                                                ("acct_42", 60)]
+    assert processor.calls == 3
 
 
 async def test_409_with_retry_after_then_replay(db: str) -> None:
@@ -93,7 +103,8 @@ async def test_409_with_retry_after_then_replay(db: str) -> None:
         busy = await post(client, "slow", {"amount": 9})
         assert busy.status_code == 409
         assert busy.headers["content-type"] == "application/problem+json"
-        assert int(busy.headers["retry-after"]) >= 1
+        # a short hint, not the 30 s left on the lease (retry_after_max, default 2)
+        assert busy.headers["retry-after"] == "2"
         first = await original
         assert first.status_code == 201
         replay = await post(client, "slow", {"amount": 9})
@@ -213,3 +224,175 @@ async def _until_claimed(db: str, key: str) -> None:
                 return
             await asyncio.sleep(0.01)
     raise AssertionError(f"{key} was never claimed")
+
+
+# -- the defects of issue 12: aborted uploads, options, the pool ------------------------------
+
+def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], **options: Any) -> Starlette:
+    """POST /n (key required): inserts the JSON body's note on op.conn; status from the body."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS notes (body text)")
+
+    async def note(request: Request) -> Response:
+        op = get_operation(request)
+        assert op is not None
+        data = await request.json()
+        calls.append(data)
+        await op.conn.execute("INSERT INTO notes VALUES (%s)", (data["note"],))
+        if data.get("second_connection"):
+            async with pool.connection() as other:  # the same pool the middleware holds from
+                await other.execute("SELECT pg_sleep(0.05)")
+        return JSONResponse({"note": data["note"]}, status_code=int(data.get("status", 201)))
+
+    app = Starlette(routes=[Route("/n", note, methods=["POST"])])
+    app.add_middleware(IdempotencyMiddleware, pool=pool, scope=lambda r: "tenant",
+                       routes={"POST /n": Policy.REQUIRED}, **options)
+    return app
+
+
+def _notes(db: str) -> list[str]:
+    with psycopg.connect(db) as conn:
+        return [r[0] for r in conn.execute("SELECT body FROM notes ORDER BY body").fetchall()]
+
+
+def _keys(db: str) -> int:
+    with psycopg.connect(db) as conn:
+        row = conn.execute("SELECT count(*) FROM idempotency.keys").fetchone()
+        assert row is not None
+        return int(row[0])
+
+
+def test_aborted_upload_is_never_claimed(db: str) -> None:
+    """A client sends half of its body and disconnects (raw socket, real uvicorn): no claim,
+    the handler never runs; its retry with the whole body and the same key is charged once."""
+    import socket
+    import time
+    from urllib.parse import urlsplit
+
+    calls: list[Any] = []
+    pool = AsyncConnectionPool(db, min_size=1, max_size=4, open=False)
+    app = _notes_app(db, pool, calls)
+
+    async def lifespan_app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            message = await receive()
+            await pool.open()
+            await send({"type": "lifespan.startup.complete"})
+            message = await receive()
+            assert message["type"] == "lifespan.shutdown"
+            await pool.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await app(scope, receive, send)
+
+    body = json.dumps({"note": "paid"}).encode()
+    with uvicorn_server(lifespan_app) as base:
+        url = urlsplit(base)
+        with socket.create_connection((url.hostname, url.port)) as sock:
+            sock.sendall(b"POST /n HTTP/1.1\r\nHost: t\r\nIdempotency-Key: up-1\r\n"
+                         b"Content-Type: application/json\r\n"
+                         + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:7])
+            time.sleep(0.3)  # the server has the headers and half the body
+        time.sleep(0.5)  # and now the disconnect
+        assert calls == [] and _keys(db) == 0
+        with httpx.Client(base_url=base, timeout=10) as client:
+            full = client.post("/n", content=body, headers={
+                "Idempotency-Key": "up-1", "Content-Type": "application/json"})
+            again = client.post("/n", content=body, headers={
+                "Idempotency-Key": "up-1", "Content-Type": "application/json"})
+    assert full.status_code == 201 and "idempotent-replayed" not in full.headers
+    assert again.status_code == 201 and again.headers["idempotent-replayed"] == "true"
+    assert len(calls) == 1 and _notes(db) == ["paid"]
+
+
+async def test_options_server_errors_query_retry_after(db: str) -> None:
+    calls: list[Any] = []
+    pool = AsyncConnectionPool(db, min_size=1, max_size=4, open=False)
+    stores = _notes_app(db, pool, calls, store_server_errors=True, fingerprint_query=False,
+                        retry_after_max=5)
+    default = _notes_app(db, pool, calls)
+    await pool.open()
+    try:
+        async with asgi_client(stores) as client:
+            def send(key: str, note: str, status: int = 201, query: str = "") -> Any:
+                return client.post(f"/n{query}", json={"note": note, "status": status},
+                                   headers={"Idempotency-Key": key})
+
+            # store_server_errors: a 503 is the key's result, with its writes
+            first = await send("s1", "five-oh-three", 503)
+            assert first.status_code == 503 and "idempotent-replayed" not in first.headers
+            replay = await send("s1", "five-oh-three", 503)
+            assert replay.status_code == 503 and replay.headers["idempotent-replayed"] == "true"
+            # fingerprint_query=False: another query string is the same request
+            assert (await send("q1", "query", query="?page=1")).status_code == 201
+            same = await send("q1", "query", query="?page=2")
+            assert same.status_code == 201 and same.headers["idempotent-replayed"] == "true"
+        async with asgi_client(default) as client:
+            # the defaults: 5xx rolled back and released, the query string counts
+            failed = await client.post("/n", json={"note": "rolled-back", "status": 500},
+                                       headers={"Idempotency-Key": "d1"})
+            assert failed.status_code == 500
+            ok = await client.post("/n", json={"note": "d1", "status": 201},
+                                   headers={"Idempotency-Key": "d1"})
+            assert ok.status_code == 201 and "idempotent-replayed" not in ok.headers
+            await client.post("/n?page=1", json={"note": "q2"}, headers={"Idempotency-Key": "q2"})
+            other = await client.post("/n?page=2", json={"note": "q2"},
+                                      headers={"Idempotency-Key": "q2"})
+            assert other.status_code == 422
+    finally:
+        await pool.close()
+    assert _notes(db) == ["d1", "five-oh-three", "q2", "query"]
+    assert len(calls) == 5  # s1, q1, d1 twice, q2: no replay ran the handler
+
+
+async def test_retry_after_is_capped(db: str) -> None:
+    """A 409's Retry-After is the lease left capped by retry_after_max (here 5 of 30 s)."""
+    calls: list[Any] = []
+    pool = AsyncConnectionPool(db, min_size=2, max_size=4, open=False)
+    app = _notes_app(db, pool, calls, retry_after_max=5)
+    await pool.open()
+    try:
+        async with await psycopg.AsyncConnection.connect(db) as holder:
+            # another attempt holds the key (claimed with the default 30 s lease)
+            same_request = _describe({"method": "POST", "path": "/n", "query_string": b"",
+                                      "headers": [(b"content-type", b"application/json")]},
+                                     b'{"note": "x"}')
+            claimed = await aio.claim(holder, "tenant", "busy",
+                                      fingerprint=fingerprint(same_request))
+            await holder.commit()
+            assert claimed.outcome.owned
+        async with asgi_client(app) as client:
+            busy = await client.post("/n", json={"note": "x"}, headers={"Idempotency-Key": "busy"})
+    finally:
+        await pool.close()
+    assert busy.status_code == 409 and busy.headers["retry-after"] == "5"
+    assert calls == []
+
+
+async def test_second_connection_from_the_middlewares_pool(db: str) -> None:
+    """16 concurrent keyed requests whose handler takes a second connection from the pool the
+    middleware holds theirs from (4 connections): with the default pool_reserve=1 all succeed;
+    with pool_reserve=0 they deadlock until the pool timeout, and the error says why."""
+    calls: list[Any] = []
+    pool = AsyncConnectionPool(db, min_size=1, max_size=4, timeout=1, open=False)
+    safe = _notes_app(db, pool, calls)
+    unsafe = _notes_app(db, pool, calls, pool_reserve=0)
+    await pool.open()
+    try:
+        async with asgi_client(safe) as client:
+            responses = await asyncio.gather(*(
+                client.post("/n", json={"note": f"n{i:02}", "second_connection": True},
+                            headers={"Idempotency-Key": f"pool-{i}"}) for i in range(16)))
+        assert [r.status_code for r in responses] == [201] * 16
+        transport = httpx.ASGITransport(app=unsafe)  # exceptions reach the caller
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            results = await asyncio.gather(*(
+                client.post("/n", json={"note": f"x{i}", "second_connection": True},
+                            headers={"Idempotency-Key": f"dead-{i}"}) for i in range(4)),
+                return_exceptions=True)
+    finally:
+        await pool.close()
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert errors and all(type(e).__name__ == "PoolExhausted" for e in errors), results
+    assert "pool_reserve" in str(errors[0])
+    assert _notes(db) == [f"n{i:02}" for i in range(16)]  # the deadlocked ones rolled back
