@@ -102,6 +102,17 @@ def test_commit_on_another_session_is_refused(engine: Engine, db: str) -> None:
     assert notes(db) == ["after"]
 
 
+def test_committing_the_operations_own_session_is_refused(engine: Engine, db: str) -> None:
+    """Only op.complete() commits: a session.commit() in the block would commit the writes
+    before the response is stored."""
+    with Session(engine) as session:
+        with pytest.raises(ForeignCommitError), operation(session, "acct", "k4", {}):
+            session.add(Entry(note="early"))
+            session.commit()
+        assert key_state(db, "k4") is None
+    assert notes(db) == []
+
+
 def test_8_concurrent_session_operations_one_row(engine: Engine, db: str) -> None:
     make = sessionmaker(engine)
     barrier = threading.Barrier(8)

@@ -20,16 +20,26 @@ writes, committed, and only then sent. Answers of its own:
 - 400 ``application/problem+json``: the route requires a key and none was sent, or the key is
   not a valid name (empty, over 255 characters, control characters);
 - 401 when the ``scope`` callback cannot identify the caller (returns None);
-- 409 with ``Retry-After`` while another attempt holds the key (after waiting up to ``wait``
-  seconds for it to finish, in which case the result is replayed instead);
+- 409 with ``Retry-After`` (the lease left, at most ``retry_after_max`` seconds) while another
+  attempt holds the key (after waiting up to ``wait`` seconds for it to finish, in which case
+  the result is replayed instead);
+- 503 with ``Retry-After`` when no connection of ``pool`` is free in time;
 - 422 ``application/problem+json``: the key was used with a different request;
 - a replay: the stored status, body and content type, the stored headers, and
   ``Idempotent-Replayed: true``.
 
-The fingerprint covers the method, the path, the query string and the body (a JSON body by
-its canonical form, so re-serialising it does not matter; any other body by its bytes). The
-scope (whose keys these are) comes from the ``scope`` callback, from the authenticated caller,
-never from the client's say-so alone.
+The fingerprint covers the method, the path, the query string (``fingerprint_query``) and the
+body (a JSON body by its canonical form, so re-serialising it does not matter; any other body
+by its bytes). The scope (whose keys these are) comes from the ``scope`` callback, from the
+authenticated caller, never from the client's say-so alone.
+
+Only the handler's writes on ``op.conn`` are covered by the key (with SQLAlchemy: the session
+of :func:`pg_idempotency.sqlalchemy.request_session`); while the handler runs, a commit on
+another SQLAlchemy connection raises ``ForeignCommitError``.
+
+A request whose client disconnects before the end of its body is not claimed. An answer sent
+before the handler started (called :func:`get_operation`, or used ``request_session``), such
+as a framework's request validation error, is not stored and the key is released.
 
 A handler may hand the work to a worker instead (a long-running operation): it enqueues the job
 on ``op.conn`` (:func:`pg_idempotency.jobs.aenqueue`) and calls ``await op.accept(202, body,
@@ -39,10 +49,13 @@ headers given to accept, the body as stored) in place of the handler's own respo
 first client and every retry while the worker runs get the same bytes; retries carry
 ``Idempotent-Replayed: true``. After the worker's ``complete`` they get its final answer.
 
-A handler that raises, or answers 5xx, is rolled back; the key is released for a fresh retry
-unless a side effect may have happened (a checkpoint was committed or a downstream key derived:
-then the key stays in progress and the next retry after the lease resumes). Responses are
-buffered whole before they are stored: do not use this on streaming endpoints.
+A handler that raises, or answers 5xx (unless ``store_server_errors``), is rolled back; the key
+is released for a fresh retry unless a side effect may have happened (a checkpoint was
+committed or a downstream key derived: then the key stays in progress and the next retry after
+the lease resumes). At most ``pool.max_size - pool_reserve`` keyed requests hold a connection
+at a time, so a handler that takes one more from the same pool cannot deadlock it. Responses
+are buffered whole before they are stored: do not use this on streaming endpoints. Options and
+defaults: docs/python.md.
 """
 
 from __future__ import annotations
