@@ -244,7 +244,14 @@ def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], **options: 
                 await other.execute("SELECT pg_sleep(0.05)")
         return JSONResponse({"note": data["note"]}, status_code=int(data.get("status", 201)))
 
-    app = Starlette(routes=[Route("/n", note, methods=["POST"])])
+    async def plain(request: Request) -> Response:
+        """Never asks for its operation."""
+        data = await request.json()
+        calls.append(data)
+        return JSONResponse({"plain": data["note"]}, status_code=int(data.get("status", 201)))
+
+    app = Starlette(routes=[Route("/n", note, methods=["POST"]),
+                            Route("/plain", plain, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=lambda r: "tenant",
                        routes={"POST /n": Policy.REQUIRED}, **options)
     return app
@@ -339,10 +346,22 @@ async def test_options_server_errors_query_retry_after(db: str) -> None:
             other = await client.post("/n?page=2", json={"note": "q2"},
                                       headers={"Idempotency-Key": "q2"})
             assert other.status_code == 422
+            # a handler that never asked for its operation: an error is taken for one that
+            # came before it ran (released), a success is stored and replayed
+            for _ in range(2):
+                refused = await client.post("/plain", json={"note": "p", "status": 403},
+                                            headers={"Idempotency-Key": "p1"})
+                assert refused.status_code == 403
+                assert "idempotent-replayed" not in refused.headers
+            fine = await client.post("/plain", json={"note": "p", "status": 200},
+                                     headers={"Idempotency-Key": "p2"})
+            replayed = await client.post("/plain", json={"note": "p", "status": 200},
+                                         headers={"Idempotency-Key": "p2"})
+            assert fine.status_code == 200 and replayed.headers["idempotent-replayed"] == "true"
     finally:
         await pool.close()
     assert _notes(db) == ["d1", "five-oh-three", "q2", "query"]
-    assert len(calls) == 5  # s1, q1, d1 twice, q2: no replay ran the handler
+    assert len(calls) == 8  # s1, q1, d1 twice, q2, p1 twice, p2: no replay ran a handler
 
 
 async def test_retry_after_is_capped(db: str) -> None:

@@ -37,9 +37,9 @@ Only the handler's writes on ``op.conn`` are covered by the key (with SQLAlchemy
 of :func:`pg_idempotency.sqlalchemy.request_session`); while the handler runs, a commit on
 another SQLAlchemy connection raises ``ForeignCommitError``.
 
-A request whose client disconnects before the end of its body is not claimed. An answer sent
-before the handler started (called :func:`get_operation`, or used ``request_session``), such
-as a framework's request validation error, is not stored and the key is released.
+A request whose client disconnects before the end of its body is not claimed. An error answer
+sent before the handler started (called :func:`get_operation`, or used ``request_session``),
+such as a framework's request validation error, is not stored and the key is released.
 
 A handler may hand the work to a worker instead (a long-running operation): it enqueues the job
 on ``op.conn`` (:func:`pg_idempotency.jobs.aenqueue`) and calls ``await op.accept(202, body,
@@ -115,8 +115,8 @@ class _HandlerFailed(Exception):
 
 
 class _NotStarted(Exception):
-    """The answer came before the handler asked for its operation (a framework's validation
-    error, an auth dependency's 403): nothing is stored and the key is released."""
+    """An error answer came before the handler asked for its operation (a framework's
+    validation error, an auth dependency's 403): nothing is stored and the key is released."""
 
 
 class PoolExhausted(RuntimeError):
@@ -142,10 +142,10 @@ def get_operation(request: Request) -> aio.Operation | None:
     """The operation the middleware opened for this request (None without a key). Its
     ``conn`` is the connection whose open transaction commits with the stored response.
 
-    Calling it is what marks the handler as started: an answer sent before any call (a
-    framework's request validation, a dependency that refuses) is not stored and the key is
-    released, so call it in the handler's body, not in a dependency that runs before the
-    request is validated."""
+    Calling it is what marks the handler as started: an error answer (4xx, 5xx) sent before
+    any call (a framework's request validation, a dependency that refuses) is not stored and
+    the key is released, so call it in the handler's body, not in a dependency that runs
+    before the request is validated."""
     handling = _handling(request)
     if handling is None:
         return None
@@ -365,7 +365,10 @@ class IdempotencyMiddleware:
                 # Send what was stored, so that this answer and its replays are the same.
                 await _send_stored(send, op.response)
                 return
-            if not handling.started:
+            if not handling.started and start["status"] >= 400:
+                # An error before the handler asked for its operation: a framework's request
+                # validation, an auth dependency. Not the endpoint's result (Stripe stores
+                # results only once the endpoint started): release the key.
                 raise _NotStarted(start["status"])
             if start["status"] >= 500 and not self.store_server_errors:
                 raise _HandlerFailed(start["status"])
