@@ -44,6 +44,7 @@ from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any
 
+import psycopg
 from psycopg.pq import TransactionStatus
 from psycopg.rows import dict_row
 from sqlalchemy import event
@@ -133,6 +134,13 @@ def _state(session: Session) -> tuple[TransactionStatus, bool]:
     return (TransactionStatus.INTRANS if busy else TransactionStatus.IDLE), False
 
 
+def _psycopg(raw: Any) -> Any:
+    if not isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection)):
+        raise UsageError("pg_idempotency.sqlalchemy needs the postgresql+psycopg dialect "
+                         f"(psycopg 3); this session's driver connection is {type(raw)!r}")
+    return raw
+
+
 def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) -> Any:
     """Drive a core generator on a Session: queries on the session's own psycopg connection
     (so they are in its transaction), commit and rollback through the session (so its ORM
@@ -146,7 +154,7 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
             return stop.value
         try:
             if isinstance(request, core._Query):
-                raw = session.connection().connection.driver_connection
+                raw = _psycopg(session.connection().connection.driver_connection)
                 with raw.cursor(row_factory=dict_row) as cur:
                     cur.execute(request.sql, request.params)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
@@ -181,7 +189,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
         try:
             if isinstance(request, core._Query):
                 conn = await session.connection()
-                raw = (await conn.get_raw_connection()).driver_connection
+                raw = _psycopg((await conn.get_raw_connection()).driver_connection)
                 async with raw.cursor(row_factory=dict_row) as cur:
                     await cur.execute(request.sql, request.params)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
