@@ -132,7 +132,11 @@ def run_lifecycle(conn: psycopg.Connection[Any], scope: str) -> None:
     assert not conn.execute("SELECT idempotency.inbox_accept(%s, 'm1')", (scope,)).fetchone()[0]
     assert len(conn.execute("SELECT idempotency.derive_key(%s, 'k1', 'charge')", (scope,)
                             ).fetchone()[0]) == 64
-    assert conn.execute("SELECT count(*) FROM idempotency.list_abandoned()").fetchone()[0] == 0
+    if conn.execute("SELECT has_function_privilege("
+                    "'idempotency.list_abandoned(integer, text, timestamptz)', 'EXECUTE')"
+                    ).fetchone()[0]:  # a completer (or the owner); not a request role
+        assert conn.execute("SELECT count(*) FROM idempotency.list_abandoned()"
+                            ).fetchone()[0] == 0
 
 
 def expect_sqlstate(conn: psycopg.Connection[Any], query: str, sqlstate: str,
@@ -416,11 +420,10 @@ def test_least_privilege_login_role(db: str, app_role: str) -> None:
         past = app.execute("SELECT now() - interval '1 minute'").fetchone()[0]
         expect_sqlstate(app, "SELECT idempotency.claim('app', 'k3', '{}', "
                         "reference_time => %s)", "IK017", (past,))
-        # takeover through the granted functions, once a lease of 1 second has run out
+        # A request role (grant_usage's default kind) cannot take over, even an expired lease.
         app.execute("SELECT idempotency.claim('app', 'k3', '{}', lease => '1 second')")
         time.sleep(1.1)
-        assert app.execute("SELECT outcome FROM idempotency.takeover('app', 'k3')"
-                           ).fetchone()[0] == "resumed"
+        expect_sqlstate(app, "SELECT outcome FROM idempotency.takeover('app', 'k3')", "42501")
 
         expect_sqlstate(app, "SELECT * FROM idempotency.keys", "42501")
         expect_sqlstate(app, "SELECT * FROM idempotency.keys_default", "42501")
@@ -441,6 +444,147 @@ def test_least_privilege_login_role(db: str, app_role: str) -> None:
                             ).fetchone()[0] == 3
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'forged'"
                             ).fetchone()[0] == 0
+
+
+# -- request and completer roles ----------------------------------------------------------------
+
+REQUEST_FUNCTIONS = {"accept", "canonical_json", "checkpoint", "claim", "complete",
+                     "complete_bytes", "derive_key", "fingerprint", "heartbeat", "inbox_accept",
+                     "release"}
+COMPLETER_FUNCTIONS = (REQUEST_FUNCTIONS - {"claim", "inbox_accept"}) | {"takeover",
+                                                                         "list_abandoned"}
+
+
+@contextlib.contextmanager
+def login_roles(server: PgServer, db: str, *kinds: str) -> Iterator[list[str]]:
+    """One LOGIN role per kind, made as docs/install.md says, dropped afterwards."""
+    roles = [f"{kind}_{uuid.uuid4().hex[:8]}" for kind in kinds]
+    with psycopg.connect(db, autocommit=True) as conn:
+        for role, kind in zip(roles, kinds, strict=True):
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+            conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => %s)", (role, kind))
+    try:
+        yield roles
+    finally:
+        with psycopg.connect(db, autocommit=True) as conn:
+            for role in roles:
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+            for role in roles:
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def executable(conn: psycopg.Connection[Any]) -> set[str]:
+    return {r[0] for r in conn.execute(
+        "SELECT p.proname FROM pg_proc AS p WHERE p.pronamespace = 'idempotency'::regnamespace "
+        "AND has_function_privilege(p.oid, 'EXECUTE')").fetchall()}
+
+
+def test_request_role_reads_only_keys_it_presents_with_their_request(
+    server: PgServer, db: str
+) -> None:
+    with login_roles(server, db, "request", "request") as (tenant_a, attacker), \
+            psycopg.connect(db, user=tenant_a, autocommit=True) as a, \
+            psycopg.connect(db, user=attacker, autocommit=True) as evil:
+        # Every function the request role can execute; each is tried below or only writes.
+        assert executable(evil) == REQUEST_FUNCTIONS
+        token = a.execute("SELECT lease_token FROM idempotency.claim('tenant-a', 'pay-1', "
+                          "'{\"amount\": 10}', lease => '1 second')").fetchone()[0]
+        a.execute("SELECT idempotency.complete('tenant-a', 'pay-1', %s, 201, "
+                  "'{\"secret\": \"a-only\"}')", (token,))
+        a.execute("SELECT idempotency.claim('tenant-a', 'pay-2', '{}', lease => '1 second')")
+        time.sleep(1.1)  # pay-2's lease is abandoned now
+        # Without the request: no stored response, whatever the call.
+        for request in ("'{}'", "'{\"amount\": 11}'"):
+            row = evil.execute(
+                "SELECT outcome, response_status, response_body, response_body_bytes, "
+                "response_headers FROM idempotency.claim('tenant-a', 'pay-1', "
+                f"{request})").fetchone()
+            assert row == ("mismatch", None, None, None, None)
+        row = evil.execute("SELECT outcome, response_body FROM idempotency.claim("
+                           "'tenant-a', 'pay-1', NULL, fingerprint => %s)",
+                           (b"\x00" * 32,)).fetchone()
+        assert row == ("mismatch", None)
+        with pytest.raises(psycopg.Error) as err:
+            evil.execute("SELECT idempotency.claim('tenant-a', 'pay-1', '{}', strict => true)")
+        assert err.value.sqlstate == "IK002"
+        with psycopg.connect(db) as owner:
+            stored = owner.execute("SELECT encode(fingerprint, 'hex') FROM idempotency.keys "
+                                   "WHERE key = 'pay-1'").fetchone()[0]
+        assert stored not in str(err.value.diag.message_detail) + str(err.value)
+        for query in ("SELECT * FROM idempotency.takeover('tenant-a', 'pay-1')",
+                      "SELECT * FROM idempotency.takeover('tenant-a', 'pay-2')",
+                      "SELECT * FROM idempotency.list_abandoned()",
+                      "SELECT * FROM idempotency.list_abandoned(scope => 'tenant-a')",
+                      "SELECT * FROM idempotency.key_status()",
+                      "SELECT * FROM idempotency.partition_status()",
+                      "SELECT * FROM idempotency.maintain()",
+                      "SELECT idempotency._check_name('f', 'a', 'v')",
+                      "SELECT idempotency._invalid_argument('f', 'a', 'IK010', 'x')",
+                      "SELECT * FROM idempotency._lease_error('f', 'tenant-a', 'pay-1', 1)",
+                      "SELECT idempotency.grant_usage(current_user::regrole, 'completer')"):
+            expect_sqlstate(evil, query, "42501")
+        # derive_key still works without EXECUTE on _check_name.
+        assert len(evil.execute("SELECT idempotency.derive_key('s', 'k', 'x')").fetchone()[0]) == 64
+        # Tenant A's own retry still replays its own answer, and pay-2 was not taken over.
+        assert a.execute("SELECT outcome, response_body FROM idempotency.claim('tenant-a', "
+                         "'pay-1', '{\"amount\": 10}')").fetchone() == (
+                             "replay", {"secret": "a-only"})
+        assert a.execute("SELECT outcome, attempts FROM idempotency.claim('tenant-a', 'pay-2', "
+                         "'{}')").fetchone() == ("resumed", 2)
+
+
+def test_completer_role_takes_over_and_finishes_abandoned_keys(server: PgServer, db: str) -> None:
+    with login_roles(server, db, "request", "completer") as (handler, completer), \
+            psycopg.connect(db, user=handler, autocommit=True) as h, \
+            psycopg.connect(db, user=completer, autocommit=True) as c:
+        assert executable(c) == COMPLETER_FUNCTIONS
+        for scope in ("t1", "t2"):
+            h.execute("SELECT idempotency.claim(%s, 'job', '{\"n\": 1}', lease => '1 second')",
+                      (scope,))
+        time.sleep(1.1)
+        assert [r[0] for r in c.execute(
+            "SELECT scope FROM idempotency.list_abandoned(scope => 't1')").fetchall()] == ["t1"]
+        assert sorted(r[0] for r in c.execute(
+            "SELECT scope FROM idempotency.list_abandoned()").fetchall()) == ["t1", "t2"]
+        outcome, token = c.execute("SELECT outcome, lease_token FROM idempotency.takeover("
+                                   "'t1', 'job')").fetchone()
+        assert outcome == "resumed"
+        c.execute("SELECT idempotency.heartbeat('t1', 'job', %s)", (token,))
+        c.execute("SELECT idempotency.complete('t1', 'job', %s, 200, '{\"done\": 1}')", (token,))
+        expect_sqlstate(c, "SELECT * FROM idempotency.claim('t1', 'job', '{\"n\": 1}')", "42501")
+        expect_sqlstate(c, "SELECT idempotency.inbox_accept('c', 'm')", "42501")
+        # The handler's retry replays what the completer stored.
+        assert h.execute("SELECT outcome, response_body FROM idempotency.claim('t1', 'job', "
+                         "'{\"n\": 1}')").fetchone() == ("replay", {"done": 1})
+    with psycopg.connect(db, autocommit=True) as owner:
+        for kind, sqlstate in (("admin", "IK014"), (None, "IK010")):
+            expect_sqlstate(owner, "SELECT idempotency.grant_usage(current_user::regrole, %s)",
+                            sqlstate, (kind,))
+
+
+def test_roles_granted_before_0006_keep_their_functions_but_not_the_internals(
+    server: PgServer,
+) -> None:
+    role = f"old_{uuid.uuid4().hex[:8]}"
+    with scratch_db(server, "roles06") as dsn:
+        for migration in MIGRATIONS[:5]:
+            server.run_psql(dsn, migration, args=INSTALL_ARGS)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+            conn.execute("SELECT idempotency.grant_usage(%s::regrole)", (role,))
+        try:
+            server.run_psql(dsn, MIGRATIONS[5], args=INSTALL_ARGS)
+            with psycopg.connect(dsn, user=role, autocommit=True) as old:
+                assert executable(old) == REQUEST_FUNCTIONS | COMPLETER_FUNCTIONS
+                assert len(old.execute("SELECT idempotency.derive_key('s', 'k', 'x')"
+                                       ).fetchone()[0]) == 64
+                expect_sqlstate(old, "SELECT idempotency.derive_key('s', '', 'x')", "IK011")
+        finally:
+            with psycopg.connect(dsn, autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 # -- search_path --------------------------------------------------------------------------------

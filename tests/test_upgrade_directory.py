@@ -135,7 +135,7 @@ def test_migrate_0004_to_0005_with_live_keys(server: PgServer) -> None:
         assert "0005_directory" in proc.stdout + proc.stderr, proc.stdout
         with psycopg.connect(db, autocommit=True) as conn:
             assert conn.execute("SELECT max(version) FROM idempotency.migrations"
-                                ).fetchone()[0] == 5
+                                ).fetchone()[0] == len(MIGRATIONS)  # 0005 and later ones
             walk(conn, st)
 
 

@@ -136,8 +136,9 @@ BEGIN
                                      'different request', to_json(claim.key),
                                      to_json(claim.scope)),
                     ERRCODE = 'IK002',
-                    DETAIL = format('Stored fingerprint %s, this request %s.',
-                                    encode(v_existing.fingerprint, 'hex'),
+                    -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                    -- replay the stored response to a caller that does not know the request.
+                    DETAIL = format('This request''s fingerprint is %s.',
                                     encode(v_fingerprint, 'hex')),
                     HINT = 'Use a new idempotency key for a different request.';
             END IF;

@@ -6,6 +6,8 @@ CREATE FUNCTION idempotency.derive_key(scope text, key text, step text)
 RETURNS text
 LANGUAGE plpgsql
 IMMUTABLE
+-- SECURITY DEFINER: it calls the internal _check_name, which application roles may not.
+SECURITY DEFINER
 PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$

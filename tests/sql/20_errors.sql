@@ -6,7 +6,7 @@
 -- transaction. 21_isolation_repeatable_read.sql and 22_isolation_serializable.sql test it.
 BEGIN;
 
-SELECT plan(134);
+SELECT plan(136);
 
 -- A live key to aim the fenced functions at, so that they fail on the argument, not on IK003.
 CREATE TEMP TABLE live ON COMMIT DROP AS
@@ -673,6 +673,16 @@ SELECT throws_ok(
     $$SELECT idempotency.grant_usage(NULL)$$,
     'IK010', 'idempotency.grant_usage: argument "grantee" must not be NULL',
     'grant_usage: grantee NULL is IK010'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.grant_usage(current_user::regrole, kind => NULL)$$,
+    'IK010', 'idempotency.grant_usage: argument "kind" must not be NULL',
+    'grant_usage: kind NULL is IK010'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.grant_usage(current_user::regrole, kind => 'admin')$$,
+    'IK014', 'idempotency.grant_usage: argument "kind" must be ''request'' or ''completer''',
+    'grant_usage: an unknown kind is IK014'
 );
 
 SELECT throws_ok(

@@ -9,10 +9,12 @@
 -- statement fails, the error unwinds the subtransaction of throws_ok() and the role with it.
 BEGIN;
 
-SELECT plan(80);
+SELECT plan(85);
 
 CREATE ROLE idem_t40_app NOLOGIN;
 CREATE ROLE idem_t40_usage_only NOLOGIN;
+CREATE ROLE idem_t40_request NOLOGIN;
+CREATE ROLE idem_t40_completer NOLOGIN;
 GRANT USAGE ON SCHEMA idempotency TO idem_t40_usage_only;
 
 -- as_role(role_name, sql): run sql as role_name; returns the first column of a query's first row.
@@ -121,8 +123,50 @@ SELECT is_empty(
 -- grant_usage ----------------------------------------------------------------------------------
 
 SELECT lives_ok(
-    $$SELECT idempotency.grant_usage('idem_t40_app')$$,
-    'grant_usage(idem_t40_app)'
+    $$SELECT idempotency.grant_usage('idem_t40_app'),
+             idempotency.grant_usage('idem_t40_app', kind => 'completer'),
+             idempotency.grant_usage('idem_t40_request', kind => 'request'),
+             idempotency.grant_usage('idem_t40_completer', kind => 'completer')$$,
+    'grant_usage(idem_t40_app) of both kinds, and one role of each kind'
+);
+SELECT results_eq(
+    $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
+      WHERE p.pronamespace = 'idempotency'::regnamespace
+        AND has_function_privilege('idem_t40_request', p.oid, 'EXECUTE')
+      ORDER BY 1$$,
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
+             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('inbox_accept'), ('release')$$,
+    'grant_usage(kind => request): claim, inbox_accept, the fenced calls and the pure helpers'
+);
+SELECT results_eq(
+    $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
+      WHERE p.pronamespace = 'idempotency'::regnamespace
+        AND has_function_privilege('idem_t40_completer', p.oid, 'EXECUTE')
+      ORDER BY 1$$,
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('complete'), ('complete_bytes'),
+             ('derive_key'), ('fingerprint'), ('heartbeat'), ('list_abandoned'), ('release'),
+             ('takeover')$$,
+    'grant_usage(kind => completer): takeover, list_abandoned, the fenced calls and the pure '
+    || 'helpers'
+);
+SELECT throws_ok(
+    $$SELECT pg_temp.as_role('idem_t40_request',
+                             'SELECT (idempotency.takeover(''p'', ''k'')).outcome')$$,
+    '42501', 'permission denied for function takeover',
+    'request role: takeover is refused'
+);
+SELECT throws_ok(
+    $$SELECT pg_temp.as_role('idem_t40_request',
+                             'SELECT count(*) FROM idempotency.list_abandoned()')$$,
+    '42501', 'permission denied for function list_abandoned',
+    'request role: list_abandoned is refused'
+);
+SELECT throws_ok(
+    $$SELECT pg_temp.as_role('idem_t40_completer',
+                             'SELECT (idempotency.claim(''p'', ''k'', ''{}'')).outcome')$$,
+    '42501', 'permission denied for function claim',
+    'completer role: claim is refused'
 );
 SELECT ok(
     has_schema_privilege('idem_t40_app', 'idempotency', 'USAGE')
@@ -134,10 +178,10 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND has_function_privilege('idem_t40_app', p.oid, 'EXECUTE')
       ORDER BY 1$$,
-    $$VALUES ('_check_name'), ('_invalid_argument'), ('accept'), ('canonical_json'),
-             ('checkpoint'), ('claim'), ('complete'), ('complete_bytes'), ('derive_key'),
-             ('fingerprint'), ('heartbeat'), ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
-    'grant_usage: EXECUTE on the public functions and the two validation helpers only'
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
+             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
+    'grant_usage: EXECUTE on the public functions only, no internal one'
 );
 SELECT is_empty(
     $$SELECT c.oid::regclass FROM pg_class AS c
@@ -573,10 +617,10 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
     $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
-             ('complete_bytes'), ('fingerprint'), ('heartbeat'),
+             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
              ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
-    'SECURITY DEFINER exactly on the lifecycle functions (and the two that call '
-    || '_canonical_json)'
+    'SECURITY DEFINER exactly on the lifecycle functions (and the three pure ones that call '
+    || 'internal helpers)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p

@@ -8,6 +8,7 @@ SELECT plan(22);
 
 CREATE ROLE idem_t45_app NOLOGIN;
 SELECT idempotency.grant_usage('idem_t45_app');
+SELECT idempotency.grant_usage('idem_t45_app', kind => 'completer');
 
 -- as_app(sql): run one statement as the application role (SET LOCAL ROLE, as 40_privileges).
 CREATE FUNCTION pg_temp.as_app(sql text)
