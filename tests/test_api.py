@@ -8,6 +8,8 @@ the async API returns and passes the sync API's results through.
 from __future__ import annotations
 
 import inspect
+import os
+import tempfile
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -462,6 +464,56 @@ def test_sync_and_async_apis_have_the_same_functions_and_methods() -> None:
                  "attempts", "lease_token", "claim_result", "derive_key", "mark_side_effect"):
         assert hasattr(idem.core.OperationCore, attr) or attr in vars(
             idem.core.OperationCore("s", "k")), attr
+
+
+def wire(conn: psycopg.Connection[Any], fn: Any) -> dict[str, int]:
+    """What ``fn()`` sends on ``conn``, from libpq's protocol trace: ``round_trips`` (Sync or
+    simple Query messages: each waits for the server) and ``statements`` (Execute or Query)."""
+    with tempfile.TemporaryFile("w+") as f:
+        conn.pgconn.trace(f.fileno())
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            fn()
+        finally:
+            conn.pgconn.untrace()
+        f.seek(0)
+        if os.environ.get("WIRE_DUMP"):
+            print(f.read())
+            f.seek(0)
+        sent = [line.split("\t")[2].split(" ")[0] for line in f.read().splitlines()
+                if line.startswith("F\t")]
+    return {"round_trips": sum(m in ("Sync", "Query") for m in sent),
+            "statements": sum(m in ("Execute", "Query") for m in sent)}
+
+
+@pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "tx"])
+def test_round_trips_of_a_fresh_request_and_a_replay(db: str, autocommit: bool) -> None:
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    with psycopg.connect(db, autocommit=autocommit) as conn:
+
+        def handle() -> None:
+            with idem.operation(conn, "rt", "k", {"amount": 1}) as op:
+                if op.replay is None:
+                    conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', 1)")
+                    op.complete(201, {"id": 1})
+
+        fresh, replay = wire(conn, handle), wire(conn, handle)
+        # also in the caller's own pipeline (opt-in): the write joins complete's round trip
+        def piped() -> None:
+            with idem.operation(conn, "rt", "k2", {"amount": 1}) as op, conn.pipeline():
+                conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', 2)")
+                op.complete(201, {"id": 2})
+
+        in_pipeline = wire(conn, piped)
+        assert conn.autocommit == autocommit
+    print(f"\nround trips autocommit={autocommit}: fresh {fresh} replay {replay} "
+          f"pipeline {in_pipeline}")
+    assert ledger_count(db) == 2
+    # claim; BEGIN; the write; complete + COMMIT. A replay: the claim alone.
+    assert fresh == {"round_trips": 4, "statements": 5}
+    assert replay == {"round_trips": 1, "statements": 1}
+    assert in_pipeline["round_trips"] == 3
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from enum import Enum
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -247,10 +247,15 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         finally:
             conn.autocommit = False
     with conn.cursor(row_factory=dict_row) as cur:
-        if q.commit and _PIPELINE:
+        if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
+            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            conn.execute(Q.COMMIT)
+        elif q.commit and _PIPELINE:
+            # one Sync for both: conn.commit() in a pipeline would send a second one
             with conn.pipeline():
                 cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                conn.commit()
+                conn.execute(Q.COMMIT)
         else:
             cur.execute(q.sql, q.params)  # type: ignore[arg-type]
             if q.commit:
@@ -266,10 +271,13 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
         finally:
             await conn.set_autocommit(False)
     async with conn.cursor(row_factory=dict_row) as cur:
-        if q.commit and _PIPELINE:
+        if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            await conn.execute(Q.COMMIT)
+        elif q.commit and _PIPELINE:
             async with conn.pipeline():
                 await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                await conn.commit()
+                await conn.execute(Q.COMMIT)
         else:
             await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
             if q.commit:
