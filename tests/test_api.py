@@ -8,6 +8,8 @@ the async API returns and passes the sync API's results through.
 from __future__ import annotations
 
 import inspect
+import os
+import tempfile
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -257,11 +259,14 @@ async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
         async with _enter(api.operation(conn, "acct", "op3", {"v": 99})):
             pass
 
-    # a block that forgets complete(): rolled back, released, and said so
-    with pytest.raises(idem.UsageError, match="without op.complete"):
-        async with _enter(api.operation(conn, "acct", "op5", {})):
-            await insert(conn, 7)
-    assert key_row(db, "op5") is None
+    # a block that returns without complete() (an early 402): rolled back and released, no
+    # error; after a checkpoint the same return keeps the key for a resume
+    async with _enter(api.operation(conn, "acct", "op5", {})) as op:
+        await insert(conn, 7)
+    assert op.released and key_row(db, "op5") is None and ledger_count(db) == 1
+    async with _enter(api.operation(conn, "acct", "op6", {})) as op:
+        await call(op.checkpoint("step1"))
+    assert not op.released and key_row(db, "op6") == ("in_progress", "step1", 1)
 
 
 async def test_complete_rolls_back_with_the_business_write_when_the_lease_was_lost(
@@ -342,6 +347,173 @@ async def test_async_pool(db: str) -> None:
                     await conn.execute("INSERT INTO ledger (account, amount) VALUES ('p', 1)")
                     await op.complete(201, {"n": 1})
     assert ledger_count(db) == 1
+
+
+@pytest.fixture(params=["sync", "async", "sync-tx", "async-tx"])
+async def any_conn(request: pytest.FixtureRequest, db: str) -> Any:
+    """(api module, connection): autocommit, or not ("-tx"), sync or async; a ledger table."""
+    autocommit = not request.param.endswith("-tx")
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    if request.param.startswith("sync"):
+        with psycopg.connect(db, autocommit=autocommit) as conn:
+            yield idem, conn
+    else:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=autocommit) as conn:
+            yield aio, conn
+
+
+async def test_release_before_any_side_effect(any_conn: Any, db: str) -> None:
+    api, conn = any_conn
+    autocommit = conn.autocommit
+    async with _enter(api.operation(conn, "pay", "r1", {"card": "declined"})) as op:
+        await insert(conn, 1)
+        await call(op.checkpoint("asked_the_bank"))  # release() trusts the caller over this
+        await insert(conn, 2)
+        await call(op.release())
+        assert op.released and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        with pytest.raises(idem.UsageError, match="released"):
+            await call(op.complete(402, {"error": "declined"}))
+    assert key_row(db, "r1") is None
+    with psycopg.connect(db) as c:  # the checkpoint committed its write; the later one is gone
+        assert c.execute("SELECT array_agg(amount) FROM ledger").fetchone()[0] == [1]
+    # a retry, even with another request, runs afresh
+    async with _enter(api.operation(conn, "pay", "r1", {"card": "other"})) as op:
+        assert op.outcome is idem.Outcome.CLAIMED and op.attempts == 1
+        await insert(conn, 3)
+        await call(op.complete(201, {"ok": True}))
+    assert key_row(db, "r1") == ("completed", None, 1) and ledger_count(db) == 2
+    assert conn.autocommit == autocommit
+    # release() is for the owner only
+    async with _enter(api.operation(conn, "pay", "r1", {"card": "other"})) as op:
+        with pytest.raises(idem.UsageError, match="replay"):
+            await call(op.release())
+
+
+async def test_a_stale_attempt_gets_the_lease_lost_family(any_conn: Any, db: str) -> None:
+    api, conn = any_conn
+    t0 = datetime.now(timezone.utc)
+
+    async def stale(key: str, then: str) -> pytest.ExceptionInfo[idem.LeaseLost]:
+        with pytest.raises(idem.LeaseLost) as lost:
+            async with _enter(api.operation(conn, "acct", key, {"v": 1}, lease=1,
+                                            reference_time=t0)) as op:
+                await insert(conn, 50)
+                # meanwhile the lease expired; a retry took the key over and finished
+                with psycopg.connect(db, autocommit=True) as other:
+                    r = idem.claim(other, "acct", key, {"v": 1},
+                                   reference_time=t0 + timedelta(seconds=2))
+                    assert r.outcome is idem.Outcome.RESUMED
+                    if then == "complete":
+                        idem.complete(other, "acct", key, r.lease_token, 201, {"id": 2},
+                                      reference_time=t0 + timedelta(seconds=2))
+                    else:
+                        idem.release(other, "acct", key, r.lease_token)
+                await call(op.complete(201, {"id": 1}))
+        return lost
+
+    done = await stale("done-elsewhere", "complete")
+    assert isinstance(done.value, idem.LeaseLostCompleted)
+    assert isinstance(done.value, idem.AlreadyCompleted) and done.value.sqlstate == "IK004"
+    gone = await stale("released-elsewhere", "release")
+    assert isinstance(gone.value, idem.LeaseLostNotFound)
+    assert isinstance(gone.value, idem.KeyNotFound) and gone.value.sqlstate == "IK003"
+    assert ledger_count(db) == 0  # both business writes rolled back
+    assert key_row(db, "done-elsewhere") == ("completed", None, 2)
+    assert key_row(db, "released-elsewhere") is None
+    # the low-level calls that take a token raise the family too; takeover does not
+    with pytest.raises(idem.LeaseLostCompleted):
+        await call(api.heartbeat(conn, "acct", "done-elsewhere", 1))
+    if not conn.autocommit:
+        await call(conn.rollback())
+    with pytest.raises(idem.KeyNotFound) as missing:
+        await call(api.takeover(conn, "acct", "never-claimed"))
+    assert not isinstance(missing.value, idem.LeaseLost)
+    if not conn.autocommit:
+        await call(conn.rollback())
+
+
+def _public(obj: Any) -> dict[str, Any]:
+    return {n: getattr(obj, n) for n in dir(obj) if not n.startswith("_")}
+
+
+def test_sync_and_async_apis_have_the_same_functions_and_methods() -> None:
+    from pg_idempotency import api
+
+    def shape(fn: Any) -> list[tuple[str, Any, Any]]:
+        params = list(inspect.signature(fn).parameters.values())
+        return [(p.name, p.kind, p.default) for p in params]
+
+    for name in api.__all__:
+        sync, asynchronous = getattr(api, name), getattr(aio, name)
+        if inspect.isfunction(sync) and name != "derive_key":
+            assert shape(sync) == shape(asynchronous), name
+            assert inspect.iscoroutinefunction(asynchronous) == (name not in (
+                "operation", "idempotent")), name
+    sync_methods = {n: m for n, m in _public(api.Operation).items() if callable(m)}
+    async_methods = {n: m for n, m in _public(aio.Operation).items() if callable(m)}
+    assert sorted(sync_methods) == sorted(async_methods)
+    assert {"checkpoint", "complete", "accept", "release"} <= set(sync_methods)
+    for name, method in sync_methods.items():
+        assert shape(method) == shape(async_methods[name]), name
+        assert inspect.iscoroutinefunction(async_methods[name]), name
+    assert (set(dir(api.Operation)) ^ {"__enter__", "__exit__"}) == (
+        set(dir(aio.Operation)) ^ {"__aenter__", "__aexit__"})
+    # what both forward to the shared core
+    for attr in ("outcome", "replay", "accepted", "response", "released", "recovery_point",
+                 "attempts", "lease_token", "claim_result", "derive_key", "mark_side_effect"):
+        assert hasattr(idem.core.OperationCore, attr) or attr in vars(
+            idem.core.OperationCore("s", "k")), attr
+
+
+def wire(conn: psycopg.Connection[Any], fn: Any) -> dict[str, int]:
+    """What ``fn()`` sends on ``conn``, from libpq's protocol trace: ``round_trips`` (Sync or
+    simple Query messages: each waits for the server) and ``statements`` (Execute or Query)."""
+    with tempfile.TemporaryFile("w+") as f:
+        conn.pgconn.trace(f.fileno())
+        conn.pgconn.set_trace_flags(psycopg.pq.Trace.SUPPRESS_TIMESTAMPS)
+        try:
+            fn()
+        finally:
+            conn.pgconn.untrace()
+        f.seek(0)
+        if os.environ.get("WIRE_DUMP"):
+            print(f.read())
+            f.seek(0)
+        sent = [line.split("\t")[2].split(" ")[0] for line in f.read().splitlines()
+                if line.startswith("F\t")]
+    return {"round_trips": sum(m in ("Sync", "Query") for m in sent),
+            "statements": sum(m in ("Execute", "Query") for m in sent)}
+
+
+@pytest.mark.parametrize("autocommit", [True, False], ids=["autocommit", "tx"])
+def test_round_trips_of_a_fresh_request_and_a_replay(db: str, autocommit: bool) -> None:
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute(LEDGER)
+    with psycopg.connect(db, autocommit=autocommit) as conn:
+
+        def handle() -> None:
+            with idem.operation(conn, "rt", "k", {"amount": 1}) as op:
+                if op.replay is None:
+                    conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', 1)")
+                    op.complete(201, {"id": 1})
+
+        fresh, replay = wire(conn, handle), wire(conn, handle)
+        # also in the caller's own pipeline (opt-in): the write joins complete's round trip
+        def piped() -> None:
+            with idem.operation(conn, "rt", "k2", {"amount": 1}) as op, conn.pipeline():
+                conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', 2)")
+                op.complete(201, {"id": 2})
+
+        in_pipeline = wire(conn, piped)
+        assert conn.autocommit == autocommit
+    print(f"\nround trips autocommit={autocommit}: fresh {fresh} replay {replay} "
+          f"pipeline {in_pipeline}")
+    assert ledger_count(db) == 2
+    # claim; BEGIN; the write; complete + COMMIT. A replay: the claim alone.
+    assert fresh == {"round_trips": 4, "statements": 5}
+    assert replay == {"round_trips": 1, "statements": 1}
+    assert in_pipeline["round_trips"] == 3
 
 
 # -- helpers ---------------------------------------------------------------------------------

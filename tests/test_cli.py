@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -13,6 +14,7 @@ import psycopg
 import pytest
 from psycopg import sql
 
+import pg_idempotency as idem
 from pg_idempotency import cli
 from pgharness import PgServer, flavour_bindir
 
@@ -136,8 +138,20 @@ def test_database_does_not_exist(server: PgServer) -> None:
     assert_one_line_error(run("migrate", "--dsn", dsn), "cannot connect", "does not exist")
 
 
-def test_invalid_dsn() -> None:
-    assert_one_line_error(run("migrate", "--dsn", "nonsense_option=1"), "invalid DSN")
+@pytest.mark.parametrize("dsn", [
+    "nonsense_option=1", "host=127.0.0.1 port=abc", "postgresql://u@127.0.0.1:99999/db",
+    "host=127.0.0.1 sslmode=bogus", "host=127.0.0.1 connect_timeout=soon",
+    "postgresql://%zz@127.0.0.1/x"])
+def test_invalid_dsn_exits_2(dsn: str) -> None:
+    proc = run("migrate", "--dsn", dsn)
+    assert_one_line_error(proc, "invalid DSN")
+    assert proc.returncode == 2, proc.stderr
+
+
+def test_unreachable_server_exits_1() -> None:
+    proc = run("migrate", "--dsn", f"postgresql://x@127.0.0.1:{closed_port()}/x")
+    assert_one_line_error(proc, "cannot connect")
+    assert proc.returncode == 1
 
 
 def test_sql_error_during_migrate(server: PgServer, empty_db: str) -> None:
@@ -209,6 +223,37 @@ def test_maintain_and_status(empty_db: str) -> None:
     proc = run("status", "--dsn", empty_db, env={"DATABASE_URL": "ignored://"})
     assert proc.returncode == 0, proc.stderr
     assert "acct_cli" in proc.stdout and "in_progress" in proc.stdout
+
+
+def test_status_summarises_per_scope_with_a_limit_and_json(empty_db: str) -> None:
+    assert run("migrate", "--dsn", empty_db).returncode == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        for scope, n in (("big", 5), ("mid", 3), ("small", 1)):
+            for i in range(n):
+                claimed = idem.claim(conn, scope, f"k{i}", {})
+                if i % 2:
+                    idem.complete(conn, scope, f"k{i}", claimed.lease_token, 200)
+    proc = run("status", "--dsn", empty_db, "--limit", "2")
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[0].split()[:5] == ["scope", "keys", "in_progress", "completed", "tombstone"]
+    assert lines[2].split()[:5] == ["big", "5", "3", "2", "0"]
+    assert lines[3].split()[:5] == ["mid", "3", "2", "1", "0"]
+    assert lines[4] == "... and 1 more scopes with 1 keys (--limit)"
+    assert "small" not in proc.stdout
+
+    proc = run("status", "--dsn", empty_db, "--json", "--limit", "1")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["scopes_total"] == 3 and [s["scope"] for s in doc["scopes"]] == ["big"]
+    big = doc["scopes"][0]
+    assert (big["keys"], big["in_progress"], big["completed"], big["tombstone"]) == (5, 3, 2, 0)
+    assert big["oldest_in_progress_key"] == "k0" and big["expired_leases"] == 0
+    assert any(p["note"] == "default" for p in doc["partitions"])
+    assert doc["next_drop"] is None or "drop_after" in doc["next_drop"]
+
+    proc = run("status", "--dsn", empty_db, "--limit", "0")
+    assert proc.returncode == 2 and "--limit" in proc.stderr and "Traceback" not in proc.stderr
 
 
 @pytest.mark.parametrize("command", ["maintain", "status"])

@@ -279,3 +279,36 @@ def test_python_status(db: str) -> None:
         name, name.replace("keys_", "inbox_"))
     text = maintenance.format_status(status)
     assert "stuck" in text and name in text and text.splitlines()[-1].startswith("next drop: ")
+
+
+def test_the_python_api_surfaces_an_expired_key(db: str) -> None:
+    """A key dropped after its retention with tombstones on: claim() returns outcome
+    expired (not dropped, not a fresh claim), operation() raises KeyExpired, sync and async."""
+    import asyncio
+
+    import pg_idempotency as idem
+    from pg_idempotency import aio
+
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("UPDATE idempotency.settings SET tombstones = true")
+        name = old_partition_with_a_key(conn, 5, "gone")
+        steps = conn.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
+        assert ("dropped", "keys", name, 1) in [s[:4] for s in steps], steps
+        result = idem.claim(conn, "mt", "gone", {"k": "gone"})
+        assert result.outcome is idem.Outcome.EXPIRED and not result.outcome.owned
+        assert result.lease_token is None and result.response is None
+        with pytest.raises(idem.KeyExpired, match="expired"):
+            with idem.operation(conn, "mt", "gone", {"k": "gone"}):
+                pytest.fail("an expired key must never execute")
+
+    async def async_side() -> None:
+        async with await psycopg.AsyncConnection.connect(db, autocommit=True) as aconn:
+            assert (await aio.claim(aconn, "mt", "gone", {"k": "gone"})).outcome == "expired"
+            with pytest.raises(idem.KeyExpired):
+                async with aio.operation(aconn, "mt", "gone", {"k": "gone"}):
+                    pytest.fail("an expired key must never execute")
+
+    asyncio.run(async_side())
+    with psycopg.connect(db) as conn:
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'gone'"
+                            ).fetchone()[0] == 0

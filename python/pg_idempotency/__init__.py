@@ -43,6 +43,8 @@ from .errors import (
     KeyMismatch,
     KeyNotFound,
     LeaseLost,
+    LeaseLostCompleted,
+    LeaseLostNotFound,
     PgCronNotInstalled,
     UsageError,
 )
@@ -56,8 +58,9 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
 __all__ = [
     "DEFAULT_LEASE", "AbandonedKey", "AlreadyCompleted", "ClaimResult", "IdempotencyError",
     "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
-    "KeyNotFound", "LeaseLost", "Operation", "Outcome", "PgCronNotInstalled", "StoredResponse",
-    "UsageError", "accept", "canonical_json", "checkpoint", "claim", "complete", "derive_key",
-    "fingerprint", "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation",
-    "release", "takeover",
+    "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound", "Operation",
+    "Outcome", "PgCronNotInstalled", "StoredResponse", "UsageError", "accept",
+    "canonical_json", "checkpoint", "claim", "complete", "derive_key", "fingerprint",
+    "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation", "release",
+    "takeover",
 ]

@@ -71,9 +71,14 @@ class Operation:
         """Hand the operation over to a worker (see :meth:`pg_idempotency.Operation.accept`)."""
         return await core._arun(self.conn, self._core.g_accept(status, body, headers, lease))
 
+    async def release(self) -> None:
+        """A definite failure before any side effect: roll back and release the key (see
+        :meth:`pg_idempotency.Operation.release`)."""
+        await core._arun(self.conn, self._core.g_release())
+
     def __getattr__(self, name: str) -> Any:
         # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
-        # claim_result, derive_key(), mark_side_effect()
+        # claim_result, released, derive_key(), mark_side_effect()
         return getattr(self._core, name)
 
 

@@ -70,9 +70,15 @@ class Operation:
         get it back (``op.accepted``) until the worker completes with ``op.lease_token``."""
         return core._run(self.conn, self._core.g_accept(status, body, headers, lease))
 
+    def release(self) -> None:
+        """A definite failure before any side effect (a declined card, a 402 not worth
+        storing): roll the business transaction back and release the key, so that a retry
+        runs afresh, even with another request. The block may then return normally."""
+        core._run(self.conn, self._core.g_release())
+
     def __getattr__(self, name: str) -> Any:
         # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
-        # claim_result, derive_key(), mark_side_effect()
+        # claim_result, released, derive_key(), mark_side_effect()
         return getattr(self._core, name)
 
 

@@ -3,12 +3,14 @@
     pg-idempotency migrate [--dsn DSN]     apply pending migrations (DSN defaults to $DATABASE_URL)
     pg-idempotency sql > install.sql       print all migrations as one SQL script
     pg-idempotency maintain [--dsn DSN]    retention: partitions ahead, expired partitions dropped
-    pg-idempotency status [--dsn DSN]      keys by scope and state, partitions, the next drop
+    pg-idempotency status [--dsn DSN]      keys per scope by state, partitions, the next drop
+                  [--limit N] [--json]
     pg-idempotency demo [--dsn DSN]        the payments example under a retry storm (extra: demo)
     pg-idempotency --version
 
 Every failure is one line on stderr and a non-zero exit status: 1 for a database or migration
-error (unreachable server, failed authentication, schema missing), 2 for a usage error, 130
+error (unreachable server, failed authentication, schema missing), 2 for a usage error (bad
+arguments, no DSN, an invalid DSN), 3 when maintain still skipped a partition for a lock, 130
 when interrupted.
 
 A subcommand is one :class:`Command` in :data:`COMMANDS`: its name, help texts and a
@@ -19,6 +21,7 @@ connection; ``needs_schema=True`` also checks that the schema is installed and u
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import sys
@@ -133,8 +136,18 @@ def cmd_status(args: argparse.Namespace, conn: psycopg.Connection | None) -> int
         status = maintenance.fetch_status(conn)
     except psycopg.Error as exc:
         raise CliError(f"status failed: {_describe(exc)}") from None
-    print(maintenance.format_status(status))
+    if args.json:
+        print(json.dumps(maintenance.status_json(status, args.limit), indent=2))
+    else:
+        print(maintenance.format_status(status, args.limit))
     return 0
+
+
+def status_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--limit", type=_positive, default=20, metavar="N",
+                   help="show the N scopes with the most keys (default 20)")
+    p.add_argument("--json", action="store_true",
+                   help="print the scopes, partitions and next drop as JSON")
 
 
 def _positive(text: str) -> int:
@@ -197,10 +210,13 @@ COMMANDS: list[Command] = [
     ),
     Command(
         "status", run=cmd_status, database=True, needs_schema=True,
+        arguments=status_arguments,
         help="show keys by scope and state, expired leases, partitions and the next drop",
-        description="Print idempotency.key_status() and idempotency.partition_status() as "
-        "text tables: keys per scope and state, the oldest in-progress key, expired leases "
-        "waiting for a takeover, partitions with row counts and sizes, and the next drop.",
+        description="Read idempotency.key_status() and idempotency.partition_status() and "
+        "print one line per scope (the busiest --limit scopes) with its keys in progress, "
+        "completed and as tombstones, the oldest in-progress key and the expired leases "
+        "waiting for a takeover; then the partitions with row counts and sizes, and the "
+        "next drop. --json prints the same as one JSON object.",
     ),
     Command(
         "demo", run=cmd_demo, database=True, arguments=demo_arguments,
@@ -285,6 +301,10 @@ def _connect(dsn: str) -> psycopg.Connection:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         raise CliError(f"invalid DSN: {_one_line(str(exc))}", status=2) from None
+    for port in (params.get("port") or "").split(","):
+        if port and not (port.isdigit() and 1 <= int(port) <= 65535):
+            raise CliError(f"invalid DSN: port {port!r} is not a number from 1 to 65535",
+                           status=2)
     kwargs: dict[str, object] = {"application_name": PROG}
     if "application_name" in params:
         kwargs.pop("application_name")
@@ -295,7 +315,15 @@ def _connect(dsn: str) -> psycopg.Connection:
     except psycopg.ProgrammingError as exc:  # a malformed DSN libpq only refuses now
         raise CliError(f"invalid DSN: {_one_line(str(exc))}", status=2) from None
     except psycopg.Error as exc:
-        raise CliError(f"cannot connect: {_one_line(str(exc))}") from None
+        message = _one_line(str(exc))
+        if _BAD_OPTION.search(message):  # libpq refused an option's value: still the DSN
+            raise CliError(f"invalid DSN: {message}", status=2) from None
+        raise CliError(f"cannot connect: {message}") from None
+
+
+#: libpq's words for an option value it refuses before connecting (sslmode=bogus,
+#: connect_timeout=x, port=abc): a usage error, not an unreachable server.
+_BAD_OPTION = re.compile(r"invalid (\w+ )+value|invalid integer value|invalid port number")
 
 
 def _describe(exc: psycopg.Error) -> str:

@@ -14,8 +14,10 @@ caller's business transaction. Connections from ``psycopg_pool`` work as any oth
 from __future__ import annotations
 
 import functools
+import hashlib
 import inspect
 import json
+import logging
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,7 +25,7 @@ from enum import Enum
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import psycopg
-from psycopg.pq import TransactionStatus
+from psycopg.pq import PipelineStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -45,6 +47,26 @@ T = TypeVar("T")
 
 #: The engine's default lease (claim's ``lease DEFAULT '30 seconds'``).
 DEFAULT_LEASE = timedelta(seconds=30)
+
+#: The package's one logger (docs/python.md, "Logging"). Its lines carry :func:`key_hash`,
+#: never the raw key, a request or a body; every call is behind ``isEnabledFor``, so a
+#: disabled logger costs one cached level check per event.
+logger = logging.getLogger("pg_idempotency")
+
+
+def key_hash(scope: str, key: str) -> str:
+    """The first 12 hex digits of sha256(scope NUL key): names a key in a log line without
+    revealing it (scope and key cannot contain NUL, IK013)."""
+    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:12]
+
+
+def _log(level: int, event: str, scope: str, key: str, **fields: Any) -> None:
+    """One line ``pg_idempotency <event> key=<hash> k=v ...``; call it behind
+    ``logger.isEnabledFor(level)``. The fields are also on the record (``record.idempotency``)."""
+    h = key_hash(scope, key)
+    text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
+    logger.log(level, "%s key=%s%s", event, h, f" {text}" if text else "",
+               extra={"idempotency": {"event": event, "key_hash": h, **fields}})
 
 
 # -- results ---------------------------------------------------------------------------------
@@ -157,6 +179,14 @@ class _Query:
     sql: str
     params: Mapping[str, Any]
     fetch: str = "one"  # "one" (a dict row or None) or "all" (a list of dict rows)
+    #: The call takes a lease token: its IK003/IK004 become LeaseLost subclasses.
+    fenced: bool = False
+    #: Run it as a transaction of its own: on an idle connection that is not in autocommit,
+    #: switch autocommit on for this one statement (1 round trip instead of BEGIN, the
+    #: statement and COMMIT).
+    alone: bool = False
+    #: Commit right after it, in the same round trip (a psycopg pipeline) when libpq can.
+    commit: bool = False
 
 
 @dataclass(frozen=True)
@@ -191,9 +221,7 @@ def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
             return stop.value  # type: ignore[no-any-return]
         try:
             if isinstance(request, _Query):
-                with conn.cursor(row_factory=dict_row) as cur:
-                    cur.execute(request.sql, request.params)  # type: ignore[arg-type]
-                    value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
+                value = _execute(conn, request)
             elif isinstance(request, _Call):
                 value = request.fn(*request.args, **request.kwargs)
             elif request is _Tx.STATE:
@@ -208,7 +236,53 @@ def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
                 value = conn.rollback()
             send = gen.send
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
-            value, send = _translate(exc), gen.throw
+            value, send = _translate(exc, request), gen.throw
+
+
+def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
+    if q.alone and not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        conn.autocommit = True
+        try:
+            return _execute(conn, q)
+        finally:
+            conn.autocommit = False
+    with conn.cursor(row_factory=dict_row) as cur:
+        if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
+            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            conn.execute(Q.COMMIT)
+        elif q.commit and _PIPELINE:
+            # one Sync for both: conn.commit() in a pipeline would send a second one
+            with conn.pipeline():
+                cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+                conn.execute(Q.COMMIT)
+        else:
+            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            if q.commit:
+                conn.commit()
+        return cur.fetchone() if q.fetch == "one" else cur.fetchall()
+
+
+async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
+    if q.alone and not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+        await conn.set_autocommit(True)
+        try:
+            return await _aexecute(conn, q)
+        finally:
+            await conn.set_autocommit(False)
+    async with conn.cursor(row_factory=dict_row) as cur:
+        if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
+            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            await conn.execute(Q.COMMIT)
+        elif q.commit and _PIPELINE:
+            async with conn.pipeline():
+                await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+                await conn.execute(Q.COMMIT)
+        else:
+            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            if q.commit:
+                await conn.commit()
+        return await (cur.fetchone() if q.fetch == "one" else cur.fetchall())
 
 
 async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
@@ -222,9 +296,7 @@ async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
             return stop.value  # type: ignore[no-any-return]
         try:
             if isinstance(request, _Query):
-                async with conn.cursor(row_factory=dict_row) as cur:
-                    await cur.execute(request.sql, request.params)  # type: ignore[arg-type]
-                    value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
+                value = await _aexecute(conn, request)
             elif isinstance(request, _Call):
                 value = request.fn(*request.args, **request.kwargs)
                 if inspect.isawaitable(value):
@@ -241,12 +313,16 @@ async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
                 value = await conn.rollback()
             send = gen.send
         except Exception as exc:  # noqa: BLE001
-            value, send = _translate(exc), gen.throw
+            value, send = _translate(exc, request), gen.throw
 
 
-def _translate(exc: Exception) -> Exception:
+#: libpq 14 or later: complete() and its COMMIT go in one round trip.
+_PIPELINE = psycopg.Pipeline.is_supported()
+
+
+def _translate(exc: Exception, request: _Request) -> Exception:
     if isinstance(exc, psycopg.Error):
-        mapped = from_psycopg(exc)
+        mapped = from_psycopg(exc, lease_token=isinstance(request, _Query) and request.fenced)
         if mapped is not exc:
             mapped.__cause__ = exc
         return mapped
@@ -284,19 +360,35 @@ def _jsonb(value: Any) -> Jsonb:
     return Jsonb(value, dumps=canonical_json)
 
 
+def _claim_query(scope: str, key: str, request: Any, lease: timedelta | float,
+                 fingerprint: bytes | None, strict: bool, reference_time: datetime | None,
+                 alone: bool = False) -> _Query:
+    return _Query(Q.CLAIM, {
+        "scope": scope, "key": key,
+        "request": _jsonb(request) if request is not None else None,
+        "lease": _interval(lease), "fingerprint": fingerprint, "strict": strict,
+        "reference_time": reference_time,
+    }, alone=alone)
+
+
+def _log_claim(event: str, scope: str, key: str, result: ClaimResult) -> None:
+    outcome = result.outcome
+    level = logging.WARNING if outcome in (Outcome.MISMATCH, Outcome.EXPIRED) else logging.INFO
+    if logger.isEnabledFor(level):
+        _log(level, event, scope, key, outcome=outcome.value, attempts=result.attempts,
+             recovery_point=None if result.recovery_point is None else "set")
+
+
 def claim(scope: str, key: str, request: Any = None, *,
           lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
           strict: bool = False, reference_time: datetime | None = None) -> _Gen[ClaimResult]:
     """``idempotency.claim``. Pass the request as a JSON value, or ``request=None`` and your own
     32-byte ``fingerprint``. Run it in its own transaction (an autocommit connection, or commit
     right after): other retries must see the claim at once."""
-    row = yield _Query(Q.CLAIM, {
-        "scope": scope, "key": key,
-        "request": _jsonb(request) if request is not None else None,
-        "lease": _interval(lease), "fingerprint": fingerprint, "strict": strict,
-        "reference_time": reference_time,
-    })
-    return ClaimResult.from_row(row)
+    row = yield _claim_query(scope, key, request, lease, fingerprint, strict, reference_time)
+    result = ClaimResult.from_row(row)
+    _log_claim("claim", scope, key, result)
+    return result
 
 
 def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
@@ -304,18 +396,30 @@ def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
     """``idempotency.takeover``: take over an abandoned key (for background completers)."""
     row = yield _Query(Q.TAKEOVER, {"scope": scope, "key": key, "lease": _interval(lease),
                                     "reference_time": reference_time})
-    return ClaimResult.from_row(row)
+    result = ClaimResult.from_row(row)
+    _log_claim("takeover", scope, key, result)
+    return result
+
+
+def _fenced(q: _Query, scope: str, key: str, call: str) -> _Gen[Any]:
+    """Run a call that takes a lease token; log a lost lease (any :class:`LeaseLost`)."""
+    try:
+        return (yield q)
+    except LeaseLost as exc:
+        if logger.isEnabledFor(logging.WARNING):
+            _log(logging.WARNING, "lease_lost", scope, key, call=call, sqlstate=exc.sqlstate)
+        raise
 
 
 def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
                extend: timedelta | float | None = None,
                reference_time: datetime | None = None) -> _Gen[datetime]:
     """``idempotency.checkpoint`` in the caller's transaction; returns the lease expiry."""
-    row = yield _Query(Q.CHECKPOINT, {
+    row = yield from _fenced(_Query(Q.CHECKPOINT, {
         "scope": scope, "key": key, "lease_token": lease_token,
         "recovery_point": recovery_point, "extend": _interval(extend),
         "reference_time": reference_time,
-    })
+    }, fenced=True), scope, key, "checkpoint")
     return row["lease_expires_at"]  # type: ignore[no-any-return]
 
 
@@ -323,10 +427,28 @@ def heartbeat(scope: str, key: str, lease_token: int, *,
               lease: timedelta | float = DEFAULT_LEASE,
               reference_time: datetime | None = None) -> _Gen[datetime]:
     """``idempotency.heartbeat``; returns the new lease expiry."""
-    row = yield _Query(Q.HEARTBEAT, {"scope": scope, "key": key, "lease_token": lease_token,
-                                     "lease": _interval(lease),
-                                     "reference_time": reference_time})
+    row = yield from _fenced(_Query(Q.HEARTBEAT, {
+        "scope": scope, "key": key, "lease_token": lease_token, "lease": _interval(lease),
+        "reference_time": reference_time,
+    }, fenced=True), scope, key, "heartbeat")
     return row["lease_expires_at"]  # type: ignore[no-any-return]
+
+
+def _complete_query(scope: str, key: str, lease_token: int, status: int, body: Any,
+                    headers: Mapping[str, str] | None, content_type: str | None,
+                    reference_time: datetime | None, commit: bool = False) -> _Query:
+    params: dict[str, Any] = {
+        "scope": scope, "key": key, "lease_token": lease_token, "status": status,
+        "headers": _jsonb(dict(headers or {})), "reference_time": reference_time,
+    }
+    if isinstance(body, (bytes, bytearray, memoryview)):
+        params.update(body=bytes(body), content_type=content_type or "application/octet-stream")
+        return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit)
+    if content_type is not None:
+        raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
+                         "application/json")
+    params["body"] = _jsonb(body) if body is not None else None
+    return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
 
 
 def complete(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -335,20 +457,13 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     """``idempotency.complete`` (a JSON body, or None) or, when ``body`` is bytes,
     ``idempotency.complete_bytes`` with ``content_type`` (default
     ``application/octet-stream``). Call it in the business transaction; returns completed_at.
-    Raises :class:`~pg_idempotency.errors.LeaseLost` when the key was taken over: roll back."""
-    params: dict[str, Any] = {
-        "scope": scope, "key": key, "lease_token": lease_token, "status": status,
-        "headers": _jsonb(dict(headers or {})), "reference_time": reference_time,
-    }
-    if isinstance(body, (bytes, bytearray, memoryview)):
-        params.update(body=bytes(body), content_type=content_type or "application/octet-stream")
-        row = yield _Query(Q.COMPLETE_BYTES, params)
-    else:
-        if content_type is not None:
-            raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
-                             "application/json")
-        params["body"] = _jsonb(body) if body is not None else None
-        row = yield _Query(Q.COMPLETE, params)
+    Raises :class:`~pg_idempotency.errors.LeaseLost` (or its subclasses
+    :class:`~pg_idempotency.errors.LeaseLostCompleted` and
+    :class:`~pg_idempotency.errors.LeaseLostNotFound`) when this attempt no longer owns the
+    key: roll back."""
+    q = _complete_query(scope, key, lease_token, status, body, headers, content_type,
+                        reference_time)
+    row = yield from _fenced(q, scope, key, "complete")
     return row["completed_at"]  # type: ignore[no-any-return]
 
 
@@ -367,18 +482,27 @@ def _accept_row(scope: str, key: str, lease_token: int, status: int, body: Any =
                 headers: Mapping[str, str] | None = None, lease: timedelta | float | None = None,
                 reference_time: datetime | None = None) -> _Gen[dict[str, Any]]:
     """:func:`accept`'s row: ``lease_expires_at`` and ``body`` as jsonb stored it."""
-    row = yield _Query(Q.ACCEPT, {
+    row = yield from _fenced(_Query(Q.ACCEPT, {
         "scope": scope, "key": key, "lease_token": lease_token, "status": status,
         "body": _jsonb(body) if body is not None else None,
         "headers": _jsonb(dict(headers or {})), "lease": _interval(lease),
         "reference_time": reference_time,
-    })
+    }, fenced=True), scope, key, "accept")
     return row  # type: ignore[no-any-return]
 
 
 def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
     """``idempotency.release``: for a failure before any side effect; the key is deleted."""
-    yield _Query(Q.RELEASE, {"scope": scope, "key": key, "lease_token": lease_token})
+    yield from _release(scope, key, lease_token, alone=False, reason="release")
+
+
+def _release(scope: str, key: str, lease_token: int, *, alone: bool, reason: str
+             ) -> _Gen[None]:
+    yield from _fenced(_Query(Q.RELEASE, {"scope": scope, "key": key,
+                                          "lease_token": lease_token},
+                              fenced=True, alone=alone), scope, key, "release")
+    if logger.isEnabledFor(logging.INFO):
+        _log(logging.INFO, "release", scope, key, reason=reason)
 
 
 def list_abandoned(max_keys: int = 100, *, scope: str | None = None,
@@ -433,6 +557,9 @@ class OperationCore:
         #: The response this block stored with complete() or accept(), else None.
         self.response: StoredResponse | None = None
         self.recovery_point: str | None = None
+        #: True once the block released the key (op.release(), or an early return before any
+        #: side effect).
+        self.released = False
         self._token: int | None = None
         self._done = False
         self._side_effects = False
@@ -469,10 +596,12 @@ class OperationCore:
             raise UsageError(
                 f"operation() needs an idle connection, this one is {status.name}: claim must "
                 "commit on its own so that concurrent retries see it (commit or roll back first)")
-        result = yield from claim(self.scope, self.key, self._request, lease=self._lease,
-                                  fingerprint=self._fingerprint,
-                                  reference_time=self._reference_time)
-        yield _Tx.COMMIT
+        # alone: one statement in autocommit, whether or not the connection is in autocommit
+        row = yield _claim_query(self.scope, self.key, self._request, self._lease,
+                                 self._fingerprint, False, self._reference_time, alone=True)
+        result = ClaimResult.from_row(row)
+        _log_claim("claim", self.scope, self.key, result)
+        yield _Tx.COMMIT  # a no-op unless a caller's autocommit connection opened a transaction
         self.claim_result = result
         self.recovery_point = result.recovery_point
         if result.outcome is Outcome.MISMATCH:
@@ -503,6 +632,8 @@ class OperationCore:
         if self.accepted is not None:
             raise UsageError(f"{what}: a worker holds the key (outcome accepted); return "
                              "op.accepted instead of executing again")
+        if self.released:
+            raise UsageError(f"{what}: the key was released")
         if self._done:
             raise UsageError(f"{what}: the operation is already completed")
         if self._token is None:
@@ -523,10 +654,12 @@ class OperationCore:
     def g_complete(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
                    content_type: str | None = None) -> _Gen[StoredResponse]:
         token = self._owner_token("complete()")
-        completed_at = yield from complete(self.scope, self.key, token, status, body,
-                                           headers=headers, content_type=content_type,
-                                           reference_time=self._reference_time)
-        yield _Tx.COMMIT
+        # complete and COMMIT in one round trip (a pipeline): nothing runs between them anyway
+        row = yield from _fenced(
+            _complete_query(self.scope, self.key, token, status, body, headers, content_type,
+                            self._reference_time, commit=True),
+            self.scope, self.key, "complete")
+        completed_at = row["completed_at"]
         self._done = True
         is_bytes = isinstance(body, (bytes, bytearray, memoryview))
         self.response = StoredResponse(
@@ -555,16 +688,41 @@ class OperationCore:
             content_type="application/json" if body is not None else None)
         return self.response
 
+    def g_release(self) -> _Gen[None]:
+        """A definite failure before any side effect: roll the business transaction back and
+        release the key, so a retry runs afresh (even with another request). The caller says
+        no side effect happened: a checkpoint or a derived key does not stop it."""
+        token = self._owner_token("release()")
+        yield _Tx.ROLLBACK
+        try:
+            yield from _release(self.scope, self.key, token, alone=True, reason="release()")
+            yield _Tx.COMMIT
+        finally:
+            self._done = True
+        self.released = True
+
     def g_exit(self, exc: BaseException | None) -> _Gen[None]:
+        """The end of the block. complete(), accept() or release() ended the operation
+        already: nothing to do. Otherwise the open transaction rolls back, and the key is
+        released when no side effect can have happened, else kept in progress (its lease
+        expires; a retry resumes). That holds for an exception and for a block that returns
+        without complete() (an early return, e.g. a 402 not worth storing): neither raises
+        UsageError; a block that means to keep nothing can say so with op.release()."""
         if self._token is None or self._done:
-            return  # replay, or never entered, or completed
+            return  # replay, or never entered, or completed, accepted or released
         owned_key_is_gone = isinstance(exc, (LeaseLost, AlreadyCompleted, KeyNotFound))
         release_it = not self._side_effects and not owned_key_is_gone
         try:
             yield _Tx.ROLLBACK
             if release_it:
-                yield from release(self.scope, self.key, self._token)
+                reason = "exception" if exc is not None else "no complete()"
+                yield from _release(self.scope, self.key, self._token, alone=True,
+                                    reason=reason)
                 yield _Tx.COMMIT
+                self.released = True
+            elif not owned_key_is_gone and logger.isEnabledFor(logging.INFO):
+                _log(logging.INFO, "kept", self.scope, self.key,
+                     reason="exception" if exc is not None else "no complete()")
         except (psycopg.Error, LeaseLost, AlreadyCompleted, KeyNotFound):
             if exc is None:
                 raise
@@ -572,10 +730,6 @@ class OperationCore:
             # unreleased key only costs the caller a wait for the lease to expire.
         finally:
             self._done = True
-        if exc is None:
-            raise UsageError("the operation block ended without op.complete(): the business "
-                             "transaction was rolled back"
-                             + (" and the key released" if release_it else ""))
 
     def g_run(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
               status: int) -> _Gen[Any]:

@@ -6,7 +6,9 @@ The engine raises errors of class ``IK``; :func:`from_psycopg` turns such a
 the caller as psycopg raised them.
 
     IdempotencyError
-    ├── LeaseLost                 IK001
+    ├── LeaseLost                 IK001: "you no longer own this key", and the family of:
+    │   ├── LeaseLostCompleted    IK004 from a lease-token call (also an AlreadyCompleted)
+    │   └── LeaseLostNotFound     IK003 from a lease-token call (also a KeyNotFound)
     ├── KeyMismatch               IK002 (also what operation() raises on outcome mismatch)
     ├── KeyNotFound               IK003
     ├── AlreadyCompleted          IK004
@@ -36,7 +38,8 @@ __all__ = [
     "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
-    "KeyMismatch", "KeyNotFound", "LeaseLost", "PgCronNotInstalled", "UsageError", "from_psycopg",
+    "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
+    "PgCronNotInstalled", "UsageError", "from_psycopg",
     "invalid_argument",
 ]
 
@@ -56,7 +59,13 @@ class IdempotencyError(Exception):
 
 
 class LeaseLost(IdempotencyError):
-    """IK001: the lease token is no longer current; the key was taken over. Roll back."""
+    """IK001: the lease token is no longer current; the key was taken over. Roll back.
+
+    Also the family of every "you no longer own this key": a call that takes a lease token
+    (complete, complete_bytes, accept, checkpoint, heartbeat, release) raises
+    :class:`LeaseLostCompleted` (IK004) when another attempt completed the key meanwhile and
+    :class:`LeaseLostNotFound` (IK003) when it was released or dropped. ``except LeaseLost``
+    catches the three; ``sqlstate`` stays the engine's code."""
 
     sqlstate = "IK001"
 
@@ -77,6 +86,20 @@ class AlreadyCompleted(IdempotencyError):
     """IK004: the key is completed; a retry replays the stored response."""
 
     sqlstate = "IK004"
+
+
+class LeaseLostCompleted(LeaseLost, AlreadyCompleted):
+    """IK004 from a call that takes a lease token: a stale attempt, whose key another attempt
+    (a retry after a takeover, or a completer) completed. Roll back; a retry replays."""
+
+    sqlstate = "IK004"
+
+
+class LeaseLostNotFound(LeaseLost, KeyNotFound):
+    """IK003 from a call that takes a lease token: the key this attempt held was released or
+    dropped meanwhile. Roll back."""
+
+    sqlstate = "IK003"
 
 
 class IsolationNotSupported(IdempotencyError):
@@ -172,6 +195,12 @@ _BY_SQLSTATE: dict[str, type[IdempotencyError]] = {
     "IK005": IsolationNotSupported,
     "IK020": PgCronNotInstalled,
 }
+#: A lease-token call's IK003/IK004: the same condition seen by an attempt that held the key.
+_LEASE_LOST_BY_SQLSTATE: dict[str, type[LeaseLost]] = {
+    "IK001": LeaseLost,
+    "IK003": LeaseLostNotFound,
+    "IK004": LeaseLostCompleted,
+}
 _INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
     "IK010": ArgumentNull,
     "IK011": ArgumentEmpty,
@@ -192,12 +221,16 @@ def invalid_argument(function: str, argument: str | None, sqlstate: str,
     return cls(function, argument, sqlstate, problem)
 
 
-def from_psycopg(exc: psycopg.Error) -> Exception:
-    """The :class:`IdempotencyError` for an engine error, or ``exc`` itself for any other."""
+def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
+    """The :class:`IdempotencyError` for an engine error, or ``exc`` itself for any other.
+    ``lease_token=True`` says the failed call took a lease token: its IK003 and IK004 become
+    the :class:`LeaseLost` subclasses."""
     state = exc.sqlstate
     diag = exc.diag
     message = diag.message_primary or str(exc)
     extra = {"detail": diag.message_detail, "hint": diag.message_hint, "pgerror": exc}
+    if lease_token and state in _LEASE_LOST_BY_SQLSTATE:
+        return _LEASE_LOST_BY_SQLSTATE[state](message, **extra)
     if state in _BY_SQLSTATE:
         return _BY_SQLSTATE[state](message, **extra)
     if state in _INVALID_BY_SQLSTATE:

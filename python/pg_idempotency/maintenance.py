@@ -186,14 +186,47 @@ def format_report(steps: Sequence[MaintenanceStep]) -> str:
     return text_table(headers, rows)
 
 
-def format_status(status: Status) -> str:
-    """:func:`fetch_status`'s result as text: keys, then partitions, then the next drop."""
+#: The states key_status() reports, in the order the summary shows them.
+STATES = ("in_progress", "completed", "tombstone")
+
+
+def scope_summary(status: Status) -> list[dict[str, Any]]:
+    """One dict per scope (the busiest first): ``keys`` in all, a count per state, the oldest
+    key still in progress (its ``created_at`` and key), and the expired leases waiting for a
+    takeover (``expired_leases``, ``oldest_expired_lease``)."""
+    scopes: dict[str, dict[str, Any]] = {}
+    for k in status.keys:
+        row = scopes.setdefault(k["scope"], {
+            "scope": k["scope"], "keys": 0, **dict.fromkeys(STATES, 0),
+            "oldest_in_progress": None, "oldest_in_progress_key": None,
+            "expired_leases": 0, "oldest_expired_lease": None})
+        row["keys"] += k["keys"]
+        row[k["state"]] = row.get(k["state"], 0) + k["keys"]
+        if k["state"] == "in_progress":
+            row["oldest_in_progress"] = k["oldest_created_at"]
+            row["oldest_in_progress_key"] = k["oldest_key"]
+            row["expired_leases"] = k["expired_leases"] or 0
+            row["oldest_expired_lease"] = k["oldest_expired_lease"]
+    return sorted(scopes.values(), key=lambda r: (-r["keys"], r["scope"]))
+
+
+def format_status(status: Status, limit: int | None = None) -> str:
+    """:func:`fetch_status`'s result as text: one line per scope with its keys by state (the
+    ``limit`` busiest scopes, and a line saying how many more), then the partitions, then the
+    next drop."""
+    scopes = scope_summary(status)
+    shown = scopes if limit is None else scopes[:limit]
     keys = text_table(
-        ["scope", "state", "keys", "oldest", "oldest in progress", "expired leases",
+        ["scope", "keys", *STATES, "oldest in progress", "key", "expired leases",
          "oldest expired lease"],
-        [[k["scope"], k["state"], k["keys"], k["oldest_created_at"], k["oldest_key"],
-          k["expired_leases"], k["oldest_expired_lease"]] for k in status.keys],
-    ) if status.keys else "keys: none"
+        [[r["scope"], r["keys"], *(r[st] for st in STATES), r["oldest_in_progress"],
+          r["oldest_in_progress_key"], r["expired_leases"], r["oldest_expired_lease"]]
+         for r in shown],
+    ) if scopes else "keys: none"
+    if len(shown) < len(scopes):
+        rest = scopes[len(shown):]
+        keys += (f"\n... and {len(rest)} more scopes with {sum(r['keys'] for r in rest)} keys "
+                 "(--limit)")
     partitions = text_table(
         ["table", "partition", "from", "to", "rows", "size", "drop after", "note"],
         [[p["parent_table"], p["partition_name"], p["lower_bound"], p["upper_bound"],
@@ -204,3 +237,18 @@ def format_status(status: Status) -> str:
     next_line = (f"next drop: {nxt['parent_table']}.{nxt['partition_name']} "
                  f"at {_cell(nxt['drop_after'])}" if nxt else "next drop: none scheduled")
     return f"{keys}\n\n{partitions}\n\n{next_line}"
+
+
+def status_json(status: Status, limit: int | None = None) -> dict[str, Any]:
+    """:func:`fetch_status`'s result for ``status --json``: ``scopes`` (as
+    :func:`scope_summary`, at most ``limit``), ``scopes_total``, ``partitions`` and
+    ``next_drop``; timestamps as ISO 8601 strings."""
+    def plain(row: dict[str, Any]) -> dict[str, Any]:
+        return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in row.items()}
+
+    scopes = scope_summary(status)
+    nxt = status.next_drop
+    return {"scopes": [plain(r) for r in (scopes if limit is None else scopes[:limit])],
+            "scopes_total": len(scopes),
+            "partitions": [plain(p) for p in status.partitions],
+            "next_drop": plain(nxt) if nxt else None}

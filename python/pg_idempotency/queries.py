@@ -146,3 +146,5 @@ SCHEMA_VERSION: Final = "SELECT max(version) AS version FROM idempotency.migrati
 # -- transactions ---------------------------------------------------------------------------
 
 BEGIN: Final = "BEGIN"
+#: Sent as a statement in the pipeline of complete() (Connection.commit() would add a Sync).
+COMMIT: Final = "COMMIT"
