@@ -158,6 +158,9 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
                 with raw.cursor(row_factory=dict_row) as cur:
                     cur.execute(request.sql, request.params)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
+                if request.commit:  # complete(): the ORM's writes commit with it
+                    with _allowing(guard):
+                        session.commit()
             elif isinstance(request, core._Call):
                 value = request.fn(*request.args, **request.kwargs)
             elif request is core._Tx.STATE:
@@ -193,6 +196,9 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
                 async with raw.cursor(row_factory=dict_row) as cur:
                     await cur.execute(request.sql, request.params)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
+                if request.commit:
+                    with _allowing(guard):
+                        await session.commit()
             elif isinstance(request, core._Call):
                 value = request.fn(*request.args, **request.kwargs)
             elif request is core._Tx.STATE:
