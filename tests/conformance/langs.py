@@ -25,7 +25,7 @@ GOPATH_DEBIAN = Path("/usr/share/gocode")
 LANGS = ("java", "go", "ruby")
 
 
-def _need(tool: str, package: str) -> str:
+def need(tool: str, package: str) -> str:
     path = shutil.which(tool)
     if path is None:
         raise RuntimeError(f"{tool} is not on PATH: make setup installs {package}")
@@ -56,6 +56,9 @@ def _cached(name: str, sources: list[Path], build: Callable[[Path], None]) -> Pa
         (tmp / ".built").touch()
         shutil.rmtree(out, ignore_errors=True)
         tmp.rename(out)
+        for old in BUILD.glob(f"{name}-*"):  # builds of older sources
+            if old != out and not old.name.startswith(out.name):
+                shutil.rmtree(old, ignore_errors=True)
     return out
 
 
@@ -66,41 +69,41 @@ def go_env() -> dict[str, str]:
             "GOCACHE": str(BUILD / "gocache")}
 
 
-def go_binary(source: Path) -> Path:
-    """``go build`` of one Go file (package main), cached."""
-    go = _need("go", "golang-go")
+def go_binary(name: str, sources: list[Path]) -> Path:
+    """``go build`` of these files (one package main), cached."""
+    go = need("go", "golang-go")
 
     def build(out: Path) -> None:
-        _compile([go, "build", "-o", str(out / source.stem), str(source)], env=go_env())
-    return _cached(f"go-{source.stem}", [source], build) / source.stem
+        _compile([go, "build", "-o", str(out / name), *map(str, sources)], env=go_env())
+    return _cached(f"go-{name}", sources, build) / name
 
 
-def java_classes(sources: list[Path]) -> Path:
+def java_classes(name: str, sources: list[Path]) -> Path:
     """``javac`` of these files against Debian's pgJDBC, cached; the class directory."""
-    javac = _need("javac", "openjdk-17-jdk-headless")
+    javac = need("javac", "openjdk-17-jdk-headless")
     if not JDBC_JAR.exists():
         raise RuntimeError(f"{JDBC_JAR} is missing: make setup installs libpostgresql-jdbc-java")
 
     def build(out: Path) -> None:
         _compile([javac, "-Xlint:all", "-Werror", "-encoding", "UTF-8", "-cp",
                   str(JDBC_JAR), "-d", str(out), *map(str, sources)])
-    return _cached("java-" + sources[0].stem, sources, build)
+    return _cached(f"java-{name}", sources, build)
 
 
 def java_command(main_class: str, sources: list[Path]) -> list[str]:
-    classes = java_classes(sources)
-    return [_need("java", "openjdk-17-jdk-headless"), "-cp",
+    classes = java_classes(main_class, sources)
+    return [need("java", "openjdk-17-jdk-headless"), "-cp",
             f"{classes}{os.pathsep}{JDBC_JAR}", main_class]
 
 
 def runner_command(lang: str) -> list[str]:
     """The command line of a runner, up to (not including) FUNCTIONS.json DSN FILES."""
     if lang == "go":
-        return [str(go_binary(HERE / "go" / "run.go"))]
+        return [str(go_binary("run", [HERE / "go" / "run.go"]))]
     if lang == "java":
         return java_command("Run", [HERE / "java" / "Run.java"])
     if lang == "ruby":
-        return [_need("ruby", "ruby"), str(HERE / "ruby" / "run.rb")]
+        return [need("ruby", "ruby"), str(HERE / "ruby" / "run.rb")]
     raise ValueError(lang)
 
 
