@@ -2,7 +2,8 @@
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build, node-postgres for the conformance runner), then lint, then pytest
-#                on PostgreSQL 15 and 18
+#                on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
+#                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
