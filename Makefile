@@ -2,7 +2,8 @@
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build, node-postgres for the conformance runner), then lint, then pytest
-#                on PostgreSQL 15 and 18
+#                on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
+#                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
@@ -22,6 +23,9 @@ STAMP  := $(VENV)/.installed
 
 DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
                postgresql-15-cron postgresql-15-partman
+# The Java, Go and Ruby conformance runners and their drivers (tests/conformance/*/).
+DEB_PKGS    += openjdk-17-jdk-headless libpostgresql-jdbc-java \
+               golang-go golang-github-lib-pq-dev ruby ruby-pg
 DEB_EXT_DIR := /usr/share/postgresql/15/extension
 SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 

@@ -1,6 +1,6 @@
-"""The conformance suite (tests/conformance/): the same scenario files pass in three runners,
-Python (psycopg), psql only and Node.js (pg), on PostgreSQL 15 and 18; changing one expected
-value makes all three fail.
+"""The conformance suite (tests/conformance/): the same scenario files pass in six runners,
+Python (psycopg), psql only, Node.js (pg), Java (pgJDBC), Go (lib/pq) and Ruby (pg), on
+PostgreSQL 15 and 18; changing one expected value makes all six fail.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import pytest
 from psycopg import sql
 
 import conformance as conf
-from conformance import psqlrunner, pyrunner
+from conformance import langs, psqlrunner, pyrunner
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute
 from pgharness import PgServer
 
@@ -58,6 +58,22 @@ def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], st
 def node_results(conformance_dsn: str) -> tuple[int, dict[str, list[str]], str]:
     """All scenarios in one node process a server (starting node once per file costs more)."""
     return run_node(conformance_dsn, FILES)
+
+
+LangResults = Callable[[str], tuple[int, dict[str, list[str]], str]]
+
+
+@pytest.fixture(scope="session")
+def lang_results(conformance_dsn: str) -> LangResults:
+    """Java, Go and Ruby: each runs all scenarios in one process a server, on first use
+    (compiled once, cached under build/conformance/)."""
+    done: dict[str, tuple[int, dict[str, list[str]], str]] = {}
+
+    def results(lang: str) -> tuple[int, dict[str, list[str]], str]:
+        if lang not in done:
+            done[lang] = langs.run_runner(lang, conformance_dsn, FILES)
+        return done[lang]
+    return results
 
 
 def run_psql_scenario(server: PgServer, dsn: str, scenario: dict[str, Any]) -> list[str]:
@@ -136,7 +152,7 @@ def test_functions_json_matches_the_catalog(conformance_dsn: str) -> None:
             assert got == [(c, types.get(t, t)) for c, t in columns], type_name
 
 
-# -- the three runners ------------------------------------------------------------------------
+# -- the six runners --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_python_runner(conformance_dsn: str, path: Path) -> None:
@@ -157,6 +173,23 @@ def test_node_runner(node_results: tuple[int, dict[str, list[str]], str], path: 
 
 def test_node_runner_exit_code(node_results: tuple[int, dict[str, list[str]], str]) -> None:
     code, results, stderr = node_results
+    assert code == 0, stderr
+    assert sorted(results) == sorted(IDS)
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+@pytest.mark.parametrize("lang", langs.LANGS)
+def test_lang_runner(lang_results: LangResults, lang: str,
+                     path: Path) -> None:
+    code, results, stderr = lang_results(lang)
+    assert path.stem in results, f"{lang} printed no result for {path.stem}:\n{stderr}"
+    assert results[path.stem] == []
+
+
+@pytest.mark.parametrize("lang", langs.LANGS)
+def test_lang_runner_exit_code(lang_results: LangResults,
+                               lang: str) -> None:
+    code, results, stderr = lang_results(lang)
     assert code == 0, stderr
     assert sorted(results) == sorted(IDS)
 
@@ -198,7 +231,7 @@ MUTATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
 
 @pytest.mark.parametrize("server", ["pg18"], indirect=True)
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=list(MUTATIONS))
-def test_one_changed_expectation_fails_all_three(
+def test_one_changed_expectation_fails_all_six(
     mutation: str, server: PgServer, conformance_dsn: str, tmp_path: Path
 ) -> None:
     name, change = MUTATIONS[mutation]
@@ -214,3 +247,6 @@ def test_one_changed_expectation_fails_all_three(
     assert run_psql_scenario(server, conformance_dsn, mutated), "psql runner passed"
     code, results, stderr = run_node(conformance_dsn, [path])
     assert code == 1 and results.get(name), f"node runner passed ({code}):\n{stderr}"
+    for lang in langs.LANGS:
+        code, results, stderr = langs.run_runner(lang, conformance_dsn, [path])
+        assert code == 1 and results.get(name), f"{lang} runner passed ({code}):\n{stderr}"

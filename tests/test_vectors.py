@@ -1,19 +1,26 @@
 """tests/vectors/fingerprint.json: the SQL functions and the Python twins give every vector.
 
 The vectors were generated from the database by tools/make_vectors.py; here both servers must
-still give them, and pg_idempotency.fingerprint must give them byte for byte.
+still give them, and pg_idempotency.fingerprint must give them byte for byte. Java, Go and Ruby
+check them too (tests/conformance/{java/Vectors.java,go/vectors,ruby/vectors.rb}): SHA-256 of
+each canonical text computed in the language, the database's fingerprint, canonical_json and
+derive_key through the language's driver. (Every runner of tests/conformance also runs the
+vectors as scenarios/fingerprint_vectors.json, with the invalid inputs.)
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
+import subprocess
 from decimal import Decimal
 from pathlib import Path
 
 import psycopg
 import pytest
 
+from conformance import HERE, langs
 from pg_idempotency import queries
 from pg_idempotency.fingerprint import (
     InvalidArgument,
@@ -23,9 +30,8 @@ from pg_idempotency.fingerprint import (
     loads,
 )
 
-VECTORS = json.loads(
-    (Path(__file__).resolve().parent / "vectors" / "fingerprint.json").read_text(encoding="utf-8")
-)
+VECTORS_FILE = Path(__file__).resolve().parent / "vectors" / "fingerprint.json"
+VECTORS = json.loads(VECTORS_FILE.read_text(encoding="utf-8"))
 FP = VECTORS["fingerprint"]
 DK = VECTORS["derive_key"]
 INVALID = VECTORS["invalid"]
@@ -83,6 +89,39 @@ def test_sql_refuses_invalid_vectors(db: str) -> None:
             assert info.value.sqlstate == v["sqlstate"], v["name"]
             if v["argument"] is not None:
                 assert info.value.diag.column_name == v["argument"], v["name"]
+
+
+# -- from Java, Go and Ruby ------------------------------------------------------------------
+
+def _vectors_command(lang: str) -> list[str]:
+    if lang == "go":
+        return [str(langs.go_binary("vectors", [HERE / "go" / "vectors" / "vectors.go"]))]
+    if lang == "java":
+        return langs.java_command("Vectors", [HERE / "java" / "Vectors.java",
+                                              HERE / "java" / "Run.java"])
+    return [langs.need("ruby", "ruby"), str(HERE / "ruby" / "vectors.rb")]
+
+
+@pytest.mark.parametrize("lang", langs.LANGS)
+def test_vectors_from_other_languages(db: str, lang: str, tmp_path: Path) -> None:
+    proc = subprocess.run([*_vectors_command(lang), str(VECTORS_FILE), db], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [f"vectors: {len(FP)} fingerprint, {len(DK)} derive_key,"
+                                        " 0 failed"]
+    # The same program fails on one changed vector.
+    changed = json.loads(VECTORS_FILE.read_text(encoding="utf-8"))
+    changed["fingerprint"][-1]["sha256_hex"] = "00" * 32
+    changed["derive_key"][0]["derived"] = re.sub("^.", "0", changed["derive_key"][0]["derived"])
+    if changed["derive_key"][0]["derived"] == DK[0]["derived"]:
+        changed["derive_key"][0]["derived"] = "1" + DK[0]["derived"][1:]
+    bad = tmp_path / "fingerprint.json"
+    bad.write_text(json.dumps(changed), encoding="utf-8")
+    proc = subprocess.run([*_vectors_command(lang), str(bad), db], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout.splitlines() == [f"vectors: {len(FP)} fingerprint, {len(DK)} derive_key,"
+                                        " 3 failed"], proc.stderr
 
 
 # -- the Python twins -----------------------------------------------------------------------
