@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -397,3 +398,53 @@ def test_schema_migrations(plain_db: str, db: str) -> None:
             len(bundled()),)
         assert conn.execute("SELECT count(*) FROM django_migrations WHERE app = "
                             "'pg_idempotency'").fetchone() == (len(bundled()),)
+
+
+CRASHING_SERVER = """
+import os, sys
+sys.path.insert(0, sys.argv[1])
+os.environ["DJANGO_SETTINGS_MODULE"] = "payments_site.settings"
+import django
+django.setup()
+from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
+from django.core.wsgi import get_wsgi_application
+from ledger import views
+
+original = views.send_receipt
+
+def send_then_die(payment_id):
+    original(payment_id)
+    os._exit(17)  # the worker dies: committed, receipt sent, no response
+
+views.send_receipt = send_then_die
+server = ThreadedWSGIServer(("127.0.0.1", 0), WSGIRequestHandler)
+server.set_app(get_wsgi_application())
+print(server.server_address[1], flush=True)
+server.serve_forever()
+"""
+
+
+def test_worker_process_killed_after_commit(app_db: str) -> None:
+    """A real worker process dies after the commit, before it answers; the retry (to another
+    worker) is a replay: one payment, one receipt."""
+    env = dict(os.environ, PAYMENTS_DSN=app_db,
+               PAYMENTS_ATOMIC_REQUESTS="1" if connections.settings["default"][
+                   "ATOMIC_REQUESTS"] else "0")
+    proc = subprocess.Popen([sys.executable, "-c", CRASHING_SERVER, str(EXAMPLE)], env=env,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with pytest.raises(httpx.TransportError):
+            httpx.post(f"http://127.0.0.1:{port}/payments/", content=json.dumps(BODY),
+                       timeout=30, headers={"Content-Type": "application/json",
+                                            "X-Merchant": "m1", "Idempotency-Key": "kx"})
+        assert proc.wait(timeout=30) == 17
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert counts() == (1, 2, 1)
+    retry = post(Client(), "kx")
+    assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
+    assert counts() == (1, 2, 1)
