@@ -44,7 +44,7 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.module_loading import import_string
 
 from .. import api
-from ..core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse
+from ..core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse, key_hash
 from ..errors import AlreadyCompleted, InvalidArgument, KeyNotFound, LeaseLost
 from ..fingerprint import _check_name, derive_key, fingerprint, loads
 
@@ -142,10 +142,6 @@ class _Rollback(Exception):
     """Raised inside the atomic block to roll it back (a 5xx answer, a streaming one)."""
 
 
-def _key_hash(scope: str, key: str) -> str:
-    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:16]
-
-
 def _problem(status: int, title: str, detail: str,
              headers: Mapping[str, str] | None = None) -> HttpResponse:
     """An RFC 9457 problem details answer (the ASGI middleware's)."""
@@ -241,7 +237,7 @@ def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Confi
                         "Idempotency keys belong to an identified caller.")
     digest = fingerprint(_describe(request, request.body, conf.include_query))
     connection, conn, test_mode = _raw_connection(conf.using)
-    hashed = _key_hash(scope, key)
+    hashed = key_hash(scope, key)  # the same name the core's log lines use
     deadline = time.monotonic() + conf.wait
     pause = 0.02
     while True:
