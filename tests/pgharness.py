@@ -314,6 +314,17 @@ class PgServer:
                 self._watchdog = None
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    def crash(self) -> None:
+        """Immediate shutdown (``pg_ctl -m immediate``): every backend is killed without a
+        checkpoint, as in a power cut; the next :meth:`restart` runs crash recovery."""
+        self._server_cmd([str(self.bindir / "pg_ctl"), "-D", str(self.datadir),
+                          "-m", "immediate", "-w", "-t", "60", "stop"])
+
+    def restart(self) -> None:
+        """Start the stopped (or crashed) cluster again on the same port and data."""
+        self._server_cmd([str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                          str(self.logfile), "-w", "-t", "120", "start"], timeout=180)
+
     def __enter__(self) -> PgServer:
         return self.start() if self.tmpdir is None else self
 
