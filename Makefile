@@ -21,7 +21,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
-               postgresql-15-cron postgresql-15-partman
+               postgresql-15-cron postgresql-15-partman pgbouncer
 DEB_EXT_DIR := /usr/share/postgresql/15/extension
 SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
 
