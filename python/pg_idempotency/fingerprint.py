@@ -49,7 +49,21 @@ def loads(text: str | bytes) -> Any:
     def no_constant(name: str) -> Any:
         raise ValueError(f"invalid JSON: {name} is not a JSON value")
 
-    value = json.loads(text, parse_float=Decimal, parse_int=Decimal, parse_constant=no_constant)
+    def number(literal: str) -> Decimal:
+        # Checked as parsed, so a value under a duplicate key that a later one overwrites is
+        # refused too: jsonb parses every value before it keeps the last.
+        value = Decimal(literal)
+        _number(value, "loads", "text")
+        return value
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        for k, v in items:
+            _check_string(k, "loads", "text")
+            _check_value(v, "loads", "text")
+        return dict(items)
+
+    value = json.loads(text, parse_float=number, parse_int=number, parse_constant=no_constant,
+                       object_pairs_hook=pairs)
     _check_value(value, "loads", "text")
     return value
 
@@ -190,14 +204,16 @@ def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
         value = Decimal(value)
     if not value.is_finite():
         raise invalid_argument(fn, argument, "22P02", f"contains {value}, not a JSON number")
-    if value.is_zero():
-        return "0"  # numeric has no negative zero, and 0.000 trims to 0
     exponent = value.as_tuple().exponent
     assert isinstance(exponent, int)
-    if -exponent > _NUMERIC_MAX_DSCALE or value.adjusted() >= _NUMERIC_MAX_INT_DIGITS:
+    # The scale limit holds for zero too: PostgreSQL refuses 0e-16384 (22003).
+    if -exponent > _NUMERIC_MAX_DSCALE or (
+            not value.is_zero() and value.adjusted() >= _NUMERIC_MAX_INT_DIGITS):
         raise invalid_argument(fn, argument, "22003",
                               "contains a number outside PostgreSQL numeric's range "
                               "(131072 digits before the point, 16383 after)")
+    if value.is_zero():
+        return "0"  # numeric has no negative zero, and 0.000 trims to 0
     text = format(value, "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")
