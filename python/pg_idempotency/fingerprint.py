@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
@@ -40,6 +41,9 @@ _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r
             "\t": "\\t"}
 _ESCAPES.update({chr(c): f"\\u{c:04x}" for c in range(0x20) if chr(c) not in _ESCAPES})
 _ESCAPE_TABLE = str.maketrans(_ESCAPES)
+
+
+_TOKENS = re.compile(r'("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
 
 
 def loads(text: str | bytes) -> Any:
@@ -62,6 +66,18 @@ def loads(text: str | bytes) -> Any:
             _check_value(v, "loads", "text")
         return dict(items)
 
+    # jsonb reports the first bad string or number in text order; json.loads builds objects
+    # inside out, so check the tokens in order first.
+    src = text.decode("utf-8") if isinstance(text, bytes) else text
+    for m in _TOKENS.finditer(src):
+        if m.group(1) is not None:
+            try:
+                token = json.loads(m.group(1))
+            except ValueError:
+                break  # a syntax error: json.loads below says where
+            _check_string(token, "loads", "text")
+        else:
+            _number(Decimal(m.group(2)), "loads", "text")
     value = json.loads(text, parse_float=number, parse_int=number, parse_constant=no_constant,
                        object_pairs_hook=pairs)
     _check_value(value, "loads", "text")
