@@ -22,7 +22,7 @@ PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
 DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
-               postgresql-15-cron postgresql-15-partman
+               postgresql-15-cron postgresql-15-partman pgbouncer
 # The Java, Go and Ruby conformance runners and their drivers (tests/conformance/*/).
 DEB_PKGS    += openjdk-17-jdk-headless libpostgresql-jdbc-java \
                golang-go golang-github-lib-pq-dev ruby ruby-pg

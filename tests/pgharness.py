@@ -314,6 +314,17 @@ class PgServer:
                 self._watchdog = None
             shutil.rmtree(tmpdir, ignore_errors=True)
 
+    def crash(self) -> None:
+        """Immediate shutdown (``pg_ctl -m immediate``): every backend is killed without a
+        checkpoint, as in a power cut; the next :meth:`restart` runs crash recovery."""
+        self._server_cmd([str(self.bindir / "pg_ctl"), "-D", str(self.datadir),
+                          "-m", "immediate", "-w", "-t", "60", "stop"])
+
+    def restart(self) -> None:
+        """Start the stopped (or crashed) cluster again on the same port and data."""
+        self._server_cmd([str(self.bindir / "pg_ctl"), "-D", str(self.datadir), "-l",
+                          str(self.logfile), "-w", "-t", "120", "start"], timeout=180)
+
     def __enter__(self) -> PgServer:
         return self.start() if self.tmpdir is None else self
 
@@ -388,6 +399,119 @@ def run_psql(
     return proc
 
 
+class PgBouncer:
+    """A throwaway pgbouncer (Debian's ``/usr/sbin/pgbouncer``) on 127.0.0.1 in front of
+    ``server``, run as the server's user with trust auth for ``users``; ``pool_mode`` is
+    ``transaction`` or ``session``.  Its watchdog kills it if the owning process dies."""
+
+    BINARY = Path("/usr/sbin/pgbouncer")
+
+    def __init__(self, server: PgServer, *, users: Sequence[str] = ("postgres",),
+                 pool_mode: str = "transaction", pool_size: int = 8,
+                 extra_conf: Mapping[str, object] | None = None) -> None:
+        if not self.BINARY.exists():
+            raise HarnessError(f"{self.BINARY} missing (apt-get install pgbouncer)")
+        self.server = server
+        self.users = list(users)
+        self.pool_mode = pool_mode
+        self.pool_size = pool_size
+        self.extra_conf = dict(extra_conf or {})
+        self.tmpdir: Path | None = None
+        self.port: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._watchdog: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> PgBouncer:
+        run_as = self.server._run_as
+        self.tmpdir = Path(tempfile.mkdtemp(prefix="pgharness-pgbouncer-"))
+        atexit.register(self.stop)
+        self._watchdog = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--watchdog", str(os.getpid()),
+             str(self.tmpdir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, env=_clean_env(),
+        )
+        (self.tmpdir / "users.txt").write_text(
+            "".join(f'"{u}" ""\n' for u in self.users))
+        self.port = _free_port()
+        conf = {
+            "listen_addr": "127.0.0.1", "listen_port": self.port, "unix_socket_dir": "",
+            "auth_type": "trust", "auth_file": self.tmpdir / "users.txt",
+            "pool_mode": self.pool_mode, "default_pool_size": self.pool_size,
+            "max_client_conn": 500, "logfile": self.tmpdir / "pgbouncer.log",
+            "pidfile": self.tmpdir / "pgbouncer.pid", "admin_users": "postgres",
+            **self.extra_conf,
+        }
+        (self.tmpdir / "pgbouncer.ini").write_text(
+            f"[databases]\n* = host=127.0.0.1 port={self.server.port}\n[pgbouncer]\n"
+            + "".join(f"{k} = {v}\n" for k, v in conf.items()))
+        kwargs: dict[str, object] = {}
+        if run_as is not None:
+            for p in self.tmpdir.iterdir():
+                os.chown(p, run_as.pw_uid, run_as.pw_gid)
+            os.chown(self.tmpdir, run_as.pw_uid, run_as.pw_gid)
+            kwargs = {"user": run_as.pw_uid, "group": run_as.pw_gid, "extra_groups": []}
+        self._proc = subprocess.Popen(
+            [str(self.BINARY), str(self.tmpdir / "pgbouncer.ini")], cwd=self.tmpdir,
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            env=_clean_env(), **kwargs)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                break
+            try:
+                socket.create_connection(("127.0.0.1", self.port), timeout=0.5).close()
+                return self
+            except OSError:
+                time.sleep(0.05)
+        log = (self.tmpdir / "pgbouncer.log")
+        text = log.read_text(errors="replace") if log.exists() else ""
+        self.stop()
+        raise HarnessError(f"pgbouncer did not start:\n{text[-4000:]}")
+
+    def dsn(self, dbname: str = "postgres", *, user: str = "postgres") -> str:
+        return f"postgresql://{quote(user, safe='')}@127.0.0.1:{self.port}/{quote(dbname, safe='')}"
+
+    def stop(self) -> None:
+        tmpdir, self.tmpdir = self.tmpdir, None
+        if tmpdir is None:
+            return
+        atexit.unregister(self.stop)
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+        if self._watchdog is not None:
+            self._watchdog.kill()
+            self._watchdog.wait()
+            self._watchdog = None
+        shutil.rmtree(tmpdir, ignore_errors=True)
+
+    def __enter__(self) -> PgBouncer:
+        return self.start() if self.tmpdir is None else self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _kill_pidfile(pidfile: Path) -> None:
+    """SIGTERM, then SIGKILL, the process whose pid ``pidfile`` holds (a pgbouncer)."""
+    try:
+        pid = int(pidfile.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            return
+        time.sleep(1)
+
+
 def _kill_postmaster(datadir: Path, grace: float = 5.0) -> None:
     try:
         pid = int((datadir / "postmaster.pid").read_text().split("\n", 1)[0])
@@ -418,6 +542,7 @@ def _watchdog(owner_pid: int, tmpdir: Path) -> None:
             pass
         time.sleep(0.5)
     _kill_postmaster(tmpdir / "data")
+    _kill_pidfile(tmpdir / "pgbouncer.pid")
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping
 from decimal import Decimal
 from typing import Any
@@ -42,6 +43,9 @@ _ESCAPES.update({chr(c): f"\\u{c:04x}" for c in range(0x20) if chr(c) not in _ES
 _ESCAPE_TABLE = str.maketrans(_ESCAPES)
 
 
+_TOKENS = re.compile(r'("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
+
+
 def loads(text: str | bytes) -> Any:
     """Parse JSON text as ``jsonb`` would: numbers as exact ``Decimal``, the last of duplicate
     keys wins; NaN/Infinity, ``\\u0000`` and unpaired surrogates are refused (ValueError)."""
@@ -49,7 +53,33 @@ def loads(text: str | bytes) -> Any:
     def no_constant(name: str) -> Any:
         raise ValueError(f"invalid JSON: {name} is not a JSON value")
 
-    value = json.loads(text, parse_float=Decimal, parse_int=Decimal, parse_constant=no_constant)
+    def number(literal: str) -> Decimal:
+        # Checked as parsed, so a value under a duplicate key that a later one overwrites is
+        # refused too: jsonb parses every value before it keeps the last.
+        value = Decimal(literal)
+        _number(value, "loads", "text")
+        return value
+
+    def pairs(items: list[tuple[str, Any]]) -> dict[str, Any]:
+        for k, v in items:
+            _check_string(k, "loads", "text")
+            _check_value(v, "loads", "text")
+        return dict(items)
+
+    # jsonb reports the first bad string or number in text order; json.loads builds objects
+    # inside out, so check the tokens in order first.
+    src = text.decode("utf-8") if isinstance(text, bytes) else text
+    for m in _TOKENS.finditer(src):
+        if m.group(1) is not None:
+            try:
+                token = json.loads(m.group(1))
+            except ValueError:
+                break  # a syntax error: json.loads below says where
+            _check_string(token, "loads", "text")
+        else:
+            _number(Decimal(m.group(2)), "loads", "text")
+    value = json.loads(text, parse_float=number, parse_int=number, parse_constant=no_constant,
+                       object_pairs_hook=pairs)
     _check_value(value, "loads", "text")
     return value
 
@@ -190,14 +220,16 @@ def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
         value = Decimal(value)
     if not value.is_finite():
         raise invalid_argument(fn, argument, "22P02", f"contains {value}, not a JSON number")
-    if value.is_zero():
-        return "0"  # numeric has no negative zero, and 0.000 trims to 0
     exponent = value.as_tuple().exponent
     assert isinstance(exponent, int)
-    if -exponent > _NUMERIC_MAX_DSCALE or value.adjusted() >= _NUMERIC_MAX_INT_DIGITS:
+    # The scale limit holds for zero too: PostgreSQL refuses 0e-16384 (22003).
+    if -exponent > _NUMERIC_MAX_DSCALE or (
+            not value.is_zero() and value.adjusted() >= _NUMERIC_MAX_INT_DIGITS):
         raise invalid_argument(fn, argument, "22003",
                               "contains a number outside PostgreSQL numeric's range "
                               "(131072 digits before the point, 16383 after)")
+    if value.is_zero():
+        return "0"  # numeric has no negative zero, and 0.000 trims to 0
     text = format(value, "f")
     if "." in text:
         text = text.rstrip("0").rstrip(".")

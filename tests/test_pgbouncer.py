@@ -1,0 +1,156 @@
+"""Through a real pgbouncer (Debian's 1.18) in transaction mode, with the client settings
+docs/install.md ("Connection poolers") gives: psycopg with ``prepare_threshold=None``.
+
+Issue 13: with psycopg's default (server-side prepared statements after 5 executions), pooled
+server connections ran one client's prepared statement for another (a ``heartbeat()``
+executed someone's ``release()``), and 507 of 1,600 claims failed. Here the lifecycle walks
+cleanly and 32 clients racing for 50 keys get exactly one owner per key.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import pytest
+
+import pg_idempotency as idem
+from pg_idempotency import api
+from pg_idempotency.errors import KeyInProgress, KeyMismatch
+from pgharness import PgBouncer, PgServer
+
+APP_ROLE = "idem_bouncer_app"
+CLIENTS = 32
+KEYS = 50
+
+
+@pytest.fixture
+def bouncer_db(server: PgServer, db: str) -> Iterator[tuple[PgBouncer, str]]:
+    dbname = db.rsplit("/", 1)[1]
+    with psycopg.connect(db, autocommit=True) as conn:
+        if conn.execute("SELECT NOT EXISTS (SELECT FROM pg_roles WHERE rolname = %s)",
+                        (APP_ROLE,)).fetchone()[0]:
+            conn.execute(f"CREATE ROLE {APP_ROLE} LOGIN")
+        conn.execute("SELECT idempotency.grant_usage(%s)", (APP_ROLE,))
+        conn.execute("SELECT idempotency._premake()")
+        conn.execute("CREATE TABLE public.orders (key text, amount int)")
+        conn.execute(f"GRANT INSERT, SELECT ON public.orders TO {APP_ROLE}")
+    # A small pool, so the 32 clients share a few server connections.
+    with PgBouncer(server, users=["postgres", APP_ROLE], pool_mode="transaction",
+                   pool_size=4) as bouncer:
+        yield bouncer, dbname
+
+
+def connect(bouncer: PgBouncer, dbname: str) -> psycopg.Connection[Any]:
+    """As docs/install.md says for pgbouncer's transaction mode."""
+    return psycopg.connect(bouncer.dsn(dbname, user=APP_ROLE), autocommit=True,
+                           prepare_threshold=None)
+
+
+def server_backends(conn: psycopg.Connection[Any]) -> int:
+    return conn.execute("SELECT count(*) FROM pg_stat_activity WHERE usename = %s",
+                        (APP_ROLE,)).fetchone()[0]
+
+
+def test_lifecycle_through_pgbouncer_transaction_mode(bouncer_db: tuple[PgBouncer, str]
+                                                      ) -> None:
+    bouncer, dbname = bouncer_db
+    with connect(bouncer, dbname) as conn, connect(bouncer, dbname) as other:
+        # claim, then the business insert and complete in one transaction
+        with idem.operation(conn, "shop", "order-1", {"sku": "a", "qty": 2}) as op:
+            assert op.outcome == "claimed"
+            conn.execute("INSERT INTO public.orders VALUES ('order-1', 2)")
+            op.complete(201, {"order": 1})
+        # replay, from another client (another server connection, maybe)
+        with idem.operation(other, "shop", "order-1", {"qty": 2, "sku": "a"}) as op:
+            assert op.replay is not None and op.replay.status == 201
+            assert op.replay.body == {"order": 1}
+        # 422: same key, another request
+        with pytest.raises(KeyMismatch), idem.operation(other, "shop", "order-1", {"qty": 3}):
+            pass
+        # checkpoint, heartbeat; 409 for a second attempt while the lease is live
+        held = api.claim(conn, "shop", "order-2", {"sku": "b"}, lease=30)
+        assert held.outcome == "claimed"
+        with conn.transaction():
+            api.checkpoint(conn, "shop", "order-2", held.lease_token, "charged")
+        api.heartbeat(conn, "shop", "order-2", held.lease_token, lease=30)
+        with pytest.raises(KeyInProgress) as busy, \
+                idem.operation(other, "shop", "order-2", {"sku": "b"}):
+            pass
+        assert busy.value.recovery_point == "charged"
+        # release: the key is gone, a retry claims it afresh
+        api.release(conn, "shop", "order-2", held.lease_token)
+        again = api.claim(other, "shop", "order-2", {"sku": "b"}, lease=0.2)
+        assert again.outcome == "claimed" and again.lease_token > held.lease_token
+        # takeover after expiry, then complete under the new token
+        time.sleep(0.3)
+        with conn.transaction():
+            abandoned = api.list_abandoned(conn, 10, scope="shop")
+            assert [k.key for k in abandoned] == ["order-2"]
+            taken = api.takeover(conn, "shop", "order-2", lease=30)
+        assert taken.outcome == "resumed" and taken.lease_token > again.lease_token
+        with conn.transaction():
+            conn.execute("INSERT INTO public.orders VALUES ('order-2', 1)")
+            api.complete(conn, "shop", "order-2", taken.lease_token, 201, {"order": 2})
+        assert api.claim(other, "shop", "order-2", {"sku": "b"}).outcome == "replay"
+        orders = conn.execute("SELECT key, count(*) FROM public.orders GROUP BY 1 ORDER BY 1"
+                              ).fetchall()
+        assert orders == [("order-1", 1), ("order-2", 1)]
+        # The statements went through the pooler: pgbouncer's own view shows our database.
+    with psycopg.connect(bouncer.dsn("pgbouncer"), autocommit=True) as admin:
+        pools = [r for r in admin.execute("SHOW POOLS").fetchall() if r[0] == dbname]
+        assert pools and pools[0][1] == APP_ROLE
+
+
+def test_32_clients_50_keys_one_owner_each_through_pgbouncer(
+        bouncer_db: tuple[PgBouncer, str], server: PgServer) -> None:
+    bouncer, dbname = bouncer_db
+    outcomes: Counter[str] = Counter()
+    owners: Counter[str] = Counter()
+    errors: list[str] = []
+    lock = threading.Lock()
+    start = threading.Barrier(CLIENTS)
+
+    def client(i: int) -> None:
+        try:
+            with connect(bouncer, dbname) as conn:
+                start.wait(30)
+                for k in range(KEYS):
+                    key = f"race-{(k + i) % KEYS}"  # clients start on different keys
+                    r = api.claim(conn, "race", key, {"k": key}, lease=30)
+                    with lock:
+                        outcomes[r.outcome.value] += 1
+                    if r.outcome == "claimed":
+                        with lock:
+                            owners[key] += 1
+                        api.heartbeat(conn, "race", key, r.lease_token, lease=30)
+                        with conn.transaction():
+                            conn.execute("INSERT INTO public.orders VALUES (%s, 1)", (key,))
+                            api.complete(conn, "race", key, r.lease_token, 200, {"k": key})
+        except Exception as exc:  # noqa: BLE001 - every failure is reported below
+            with lock:
+                errors.append(f"client {i}: {type(exc).__name__}: {exc}")
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
+    t0 = time.monotonic()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    elapsed = time.monotonic() - t0
+    assert errors == [], errors[:5]
+    assert sum(outcomes.values()) == CLIENTS * KEYS
+    assert set(outcomes) <= {"claimed", "in_progress", "replay"}, outcomes
+    assert outcomes["claimed"] == KEYS and set(owners.values()) == {1} and len(owners) == KEYS
+    with psycopg.connect(server.dsn(dbname), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*), count(DISTINCT key) FROM public.orders"
+                            ).fetchone() == (KEYS, KEYS)
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'race' "
+                            "AND state = 'completed'").fetchone()[0] == KEYS
+        # 32 clients shared at most the pool's 4 server connections
+        assert 0 < server_backends(conn) <= 4
+    print(f"pgbouncer race: {CLIENTS} clients x {KEYS} keys in {elapsed:.2f}s, {dict(outcomes)}")
