@@ -35,7 +35,9 @@ def bouncer_db(server: PgServer, db: str) -> Iterator[tuple[PgBouncer, str]]:
         if conn.execute("SELECT NOT EXISTS (SELECT FROM pg_roles WHERE rolname = %s)",
                         (APP_ROLE,)).fetchone()[0]:
             conn.execute(f"CREATE ROLE {APP_ROLE} LOGIN")
-        conn.execute("SELECT idempotency.grant_usage(%s)", (APP_ROLE,))
+        # both kinds: the lifecycle below also takes over an abandoned key, as a worker does
+        conn.execute("SELECT idempotency.grant_usage(%s, 'request')", (APP_ROLE,))
+        conn.execute("SELECT idempotency.grant_usage(%s, 'completer')", (APP_ROLE,))
         conn.execute("SELECT idempotency._premake()")
         conn.execute("CREATE TABLE public.orders (key text, amount int)")
         conn.execute(f"GRANT INSERT, SELECT ON public.orders TO {APP_ROLE}")

@@ -224,17 +224,41 @@ def test_lookalikes_in_public_attacker_schema_and_pg_temp_are_never_called(db: s
         assert hijack_calls(owner) == 0
     hostile = "pg_temp, evil, public, pg_catalog"
     outcomes: list[str] = []
+    request_scope = ""  # docs/install.md makes the request role first
     for role in roles:
         with as_role(db, role) as app:
             planted_temp = _plant(app, "pg_temp", funcs)
             app.execute(f"SET search_path = {hostile}")
             planted += planted_temp
-            outcomes += _lifecycle(app, f"hj-{role}")
+            can_claim = app.execute(
+                "SELECT has_function_privilege(current_user, 'idempotency.claim(text, text, "
+                "jsonb, interval, bytea, boolean, timestamptz)', 'EXECUTE')").fetchone()[0]
+            if can_claim:
+                outcomes += _lifecycle(app, f"hj-{role}")
+                request_scope = f"hj-{role}"
+            else:  # a completer: takes over what a request role abandoned
+                outcomes += _completer_lifecycle(app, request_scope)
             assert hijack_calls(app) == 0, f"a look-alike was called as {role}"
     assert planted >= 80, planted
     print(f"search_path: {planted} look-alikes planted, never called; lifecycle {outcomes}")
     assert outcomes[:6] == ["claimed", "replay", "mismatch", "claimed", "in_progress",
                             "claimed"], outcomes
+    assert outcomes[-1] == "takeover:resumed", outcomes  # the completer's part ran
+
+
+def _completer_lifecycle(app: psycopg.Connection[Any], scope: str) -> list[str]:
+    """list_abandoned, takeover, heartbeat, checkpoint and complete of the key a request
+    role's lifecycle left with an expired lease (k2 of ``scope``)."""
+    listed = app.execute("SELECT scope, key FROM idempotency.list_abandoned(10, %s)",
+                         (scope,)).fetchall()
+    assert (scope, "k2") in listed, listed
+    outcome, token = app.execute("SELECT (r).outcome, (r).lease_token FROM "
+                                 "idempotency.takeover(%s, 'k2') AS r", (scope,)).fetchone()
+    app.execute("SELECT idempotency.heartbeat(%s, 'k2', %s)", (scope, token))
+    app.execute("SELECT idempotency.checkpoint(%s, 'k2', %s, 'step-2')", (scope, token))
+    app.execute("SELECT idempotency.complete(%s, 'k2', %s, 200, %s)",
+                (scope, token, Jsonb({"done": True})))
+    return [f"takeover:{outcome}"]
 
 
 def _lifecycle(app: psycopg.Connection[Any], scope: str) -> list[str]:
