@@ -2,8 +2,8 @@
 
 The format is described in tests/conformance/README.md. This module loads and validates the
 scenario files (so that a mistake in a scenario is reported as such, not as a runner failure),
-and builds the SQL text that the Python and psql runners send; node/run.mjs builds the same
-text from the same ``functions.json`` templates.
+and builds the SQL text that the Python and psql runners send; node/run.mjs, java/Run.java,
+go/run.go and ruby/run.rb build the same text from the same ``functions.json`` templates.
 """
 
 from __future__ import annotations
