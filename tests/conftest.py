@@ -7,6 +7,7 @@ server only overrides it: ``@pytest.mark.parametrize("server", ["pg15"], indirec
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import shutil
@@ -50,6 +51,26 @@ def install_built_extension(server: PgServer) -> list[str]:
             os.chmod(dest / src.name, 0o644)
             copied.append(src.name)
     return copied
+
+
+@contextlib.contextmanager
+def login_roles(server: PgServer, db: str, *kinds: str) -> Iterator[list[str]]:
+    """One LOGIN role per kind (``request`` or ``completer``), made as docs/install.md says,
+    dropped afterwards."""
+    roles = [f"{kind}_{uuid.uuid4().hex[:8]}" for kind in kinds]
+    with psycopg.connect(db, autocommit=True) as conn:
+        for role, kind in zip(roles, kinds, strict=True):
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+            conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => %s)", (role, kind))
+    try:
+        yield roles
+    finally:
+        with psycopg.connect(db, autocommit=True) as conn:
+            for role in roles:
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+            for role in roles:
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def admin_execute(server: PgServer, query: sql.Composable | str) -> None:

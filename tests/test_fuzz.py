@@ -20,18 +20,15 @@ names the seed and the call number so it can be replayed.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import re
-import uuid
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-from psycopg import sql
 
+from conftest import login_roles
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -179,24 +176,6 @@ def arguments(rng: random.Random, fn: str, tokens: list[str],
     return (scope, key, pick(rng, NAMES))
 
 
-@contextlib.contextmanager
-def login_roles(server: PgServer, db: str) -> Iterator[dict[str, str]]:
-    roles = {kind: f"fuzz_{kind}_{uuid.uuid4().hex[:8]}" for kind in ("request", "completer")}
-    with psycopg.connect(db, autocommit=True) as conn:
-        for kind, role in roles.items():
-            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-            conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => %s)", (role, kind))
-    try:
-        yield roles
-    finally:
-        with psycopg.connect(db, autocommit=True) as conn:
-            for role in roles.values():
-                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-            for role in roles.values():
-                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
-
-
 def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, db: str) -> None:
     documented = documented_sqlstates()
     assert {"IK001", "IK010", "IK014", "42501", "22P02"} <= documented, documented
@@ -205,9 +184,10 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
     held: dict[tuple[str, str], str] = {}
     seen: dict[str, int] = {}
     failures = 0
-    with login_roles(server, db) as roles, psycopg.connect(db, autocommit=True) as owner:
+    kinds = ("request", "completer")
+    with login_roles(server, db, *kinds) as roles, psycopg.connect(db, autocommit=True) as owner:
         conns = {kind: psycopg.connect(db, user=role, autocommit=True, prepare_threshold=None)
-                 for kind, role in roles.items()}
+                 for kind, role in zip(kinds, roles, strict=True)}
         try:
             for n in range(FUZZ_CALLS):
                 where = f"seed {SEED}, call {n}"

@@ -28,6 +28,7 @@ import pytest
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
+from conftest import login_roles
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -453,25 +454,6 @@ REQUEST_FUNCTIONS = {"accept", "canonical_json", "checkpoint", "claim", "complet
                      "release"}
 COMPLETER_FUNCTIONS = (REQUEST_FUNCTIONS - {"claim", "inbox_accept"}) | {"takeover",
                                                                          "list_abandoned"}
-
-
-@contextlib.contextmanager
-def login_roles(server: PgServer, db: str, *kinds: str) -> Iterator[list[str]]:
-    """One LOGIN role per kind, made as docs/install.md says, dropped afterwards."""
-    roles = [f"{kind}_{uuid.uuid4().hex[:8]}" for kind in kinds]
-    with psycopg.connect(db, autocommit=True) as conn:
-        for role, kind in zip(roles, kinds, strict=True):
-            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-            conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => %s)", (role, kind))
-    try:
-        yield roles
-    finally:
-        with psycopg.connect(db, autocommit=True) as conn:
-            for role in roles:
-                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-            for role in roles:
-                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def executable(conn: psycopg.Connection[Any]) -> set[str]:
