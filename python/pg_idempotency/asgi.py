@@ -61,7 +61,6 @@ defaults: docs/python.md.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
 import json
 import math
@@ -90,7 +89,7 @@ from .errors import (
     KeyNotFound,
     LeaseLost,
 )
-from .fingerprint import _check_name, fingerprint, loads
+from .fingerprint import _check_name, describe_request, fingerprint
 
 __all__ = ["IdempotencyMiddleware", "Policy", "PoolExhausted", "add_cleanup", "get_operation"]
 
@@ -441,20 +440,11 @@ async def _read_body(receive: Receive) -> bytes | None:
 
 
 def _describe(scope: Scope, body: bytes, *, query: bool = True) -> dict[str, Any]:
-    """What the fingerprint covers: method, path, the query string (unless ``query`` is
-    False) and body."""
-    request: dict[str, Any] = {"method": scope["method"], "path": scope["path"]}
-    if query:
-        request["query"] = scope.get("query_string", b"").decode("latin-1")
-    content_type = dict(scope["headers"]).get(b"content-type", b"").decode("latin-1")
-    if body and "json" in content_type:
-        try:
-            request["json"] = loads(body)
-            return request
-        except (ValueError, UnicodeDecodeError):
-            pass
-    request["body_sha256"] = hashlib.sha256(body).hexdigest()
-    return request
+    """What the fingerprint covers (:func:`~pg_idempotency.fingerprint.describe_request`)."""
+    return describe_request(
+        scope["method"], scope["path"],
+        scope.get("query_string", b"").decode("latin-1") if query else None,
+        dict(scope["headers"]).get(b"content-type", b"").decode("latin-1"), body)
 
 
 async def _send(send: Send, status: int, headers: Iterable[tuple[bytes, bytes]],

@@ -28,7 +28,8 @@ from typing import Any
 
 from .errors import InvalidArgument, invalid_argument
 
-__all__ = ["InvalidArgument", "canonical_json", "derive_key", "fingerprint", "loads"]
+__all__ = ["InvalidArgument", "canonical_json", "derive_key", "describe_request", "fingerprint",
+           "loads"]
 
 # numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
 # the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
@@ -44,6 +45,25 @@ _ESCAPE_TABLE = str.maketrans(_ESCAPES)
 
 
 _TOKENS = re.compile(r'("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
+
+
+def describe_request(method: str, path: str, query: str | None, content_type: str,
+                     body: bytes) -> dict[str, Any]:
+    """What the HTTP adapters (the ASGI and Django middleware) fingerprint for a request: the
+    method, the path, the query string (``None``: it does not count) and the body, a JSON body
+    by its parsed value (so its canonical form counts, not its spacing or key order) and any
+    other by its sha256. One definition, so a key means the same behind either adapter."""
+    described: dict[str, Any] = {"method": method, "path": path}
+    if query is not None:
+        described["query"] = query
+    if body and "json" in content_type:
+        try:
+            described["json"] = loads(body)
+            return described
+        except (ValueError, UnicodeDecodeError):
+            pass
+    described["body_sha256"] = hashlib.sha256(body).hexdigest()
+    return described
 
 
 def loads(text: str | bytes) -> Any:

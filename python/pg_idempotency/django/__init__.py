@@ -26,7 +26,6 @@ plus ``Idempotent-Replayed: true``). See docs/django.md.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import math
@@ -46,7 +45,7 @@ from django.utils.module_loading import import_string
 from .. import api
 from ..core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse, key_hash
 from ..errors import AlreadyCompleted, InvalidArgument, KeyNotFound, LeaseLost
-from ..fingerprint import _check_name, derive_key, fingerprint, loads
+from ..fingerprint import _check_name, derive_key, describe_request, fingerprint
 
 __all__ = ["Idempotency", "IdempotencyMiddleware", "get_idempotency", "idempotent"]
 
@@ -168,19 +167,12 @@ def _stored_response(stored: StoredResponse, replayed: bool) -> HttpResponse:
 
 
 def _describe(request: HttpRequest, body: bytes, include_query: bool) -> dict[str, Any]:
-    """What the fingerprint covers: method, path, (query string), and the body (a JSON body by
-    its canonical form, any other by its sha256) -- the ASGI middleware's description."""
-    described: dict[str, Any] = {"method": request.method, "path": request.path}
-    if include_query:
-        described["query"] = request.META.get("QUERY_STRING", "")
-    if body and "json" in request.META.get("CONTENT_TYPE", ""):
-        try:
-            described["json"] = loads(body)
-            return described
-        except (ValueError, UnicodeDecodeError):
-            pass
-    described["body_sha256"] = hashlib.sha256(body).hexdigest()
-    return described
+    """What the fingerprint covers: the ASGI middleware's description
+    (:func:`~pg_idempotency.fingerprint.describe_request`)."""
+    return describe_request(
+        request.method, request.path,  # type: ignore[arg-type]  # always set by the handler
+        request.META.get("QUERY_STRING", "") if include_query else None,
+        request.META.get("CONTENT_TYPE", ""), body)
 
 
 def _claim(conn: Any, scope: str, key: str, digest: bytes, lease: float) -> ClaimResult:
