@@ -177,7 +177,7 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
-            value, send = core._translate(exc), gen.throw
+            value, send = core._translate(exc, request), gen.throw
 
 
 async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guard | None) -> Any:
@@ -215,7 +215,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001
-            value, send = core._translate(exc), gen.throw
+            value, send = core._translate(exc, request), gen.throw
 
 
 class _Common:
