@@ -6,5 +6,9 @@
 SELECT idempotency._premake(now()) AS partitions_created
 WHERE current_setting('idempotency.creating_extension', true) IS DISTINCT FROM 'on';
 
+-- claim and complete call the functions this generates (only the parent when no partitions
+-- exist yet, as inside CREATE EXTENSION).
+SELECT idempotency._make_routes() AS routes_made;
+
 -- Functions are executable by PUBLIC unless revoked; here nothing is, until grant_usage().
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

@@ -62,6 +62,10 @@ BEGIN
     ) THEN
         EXECUTE format('ALTER EXTENSION pg_idempotency DROP TABLE idempotency.%I', v_name);
     END IF;
+    IF _create_partition.parent = 'keys' THEN
+        -- So that claim and complete address the new partition directly.
+        PERFORM idempotency._make_routes();
+    END IF;
     RETURN true;
 END;
 $$;

@@ -40,22 +40,17 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
+    -- Joined for its lock only (ONLY: the parent, not its partitions; it has no rows): the
+    -- parent is locked before _complete_row tests that its partition still exists, and a DROP
+    -- of a partition locks the parent exclusively (see _make_routes).
+    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = _finish.scope AND d.key_hash = sha256(convert_to(_finish.key, 'UTF8'));
 
-    UPDATE idempotency.keys AS k
-    SET state = 'completed',
-        lease_expires_at = NULL,
-        response_status = _finish.status,
-        response_headers = _finish.headers,
-        response_body = _finish.body,
-        response_body_bytes = _finish.body_bytes,
-        response_content_type = _finish.content_type,
-        completed_at = v_now
-    WHERE k.scope = _finish.scope AND k.key = _finish.key
-      AND k.lease_token = _finish.lease_token AND k.state = 'in_progress'
-      AND k.created_at = v_created_at
-    RETURNING k.completed_at INTO v_completed;
-    IF NOT FOUND THEN
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    v_completed := idempotency._complete_row(
+        _finish.scope, _finish.key, _finish.lease_token, v_created_at, _finish.status,
+        _finish.headers, _finish.body, _finish.body_bytes, _finish.content_type, v_now);
+    IF v_completed IS NULL THEN
         PERFORM idempotency._lease_error(_finish.fn, _finish.scope, _finish.key,
                                          _finish.lease_token);
     END IF;

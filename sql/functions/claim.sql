@@ -109,10 +109,10 @@ BEGIN
             -- Released (or dropped) since the insert looked: insert again.
             CONTINUE;
         END IF;
-        SELECT k.* INTO v_existing
-        FROM idempotency.keys AS k
-        WHERE k.scope = claim.scope AND k.key = claim.key AND k.created_at = v_created_at;
-        IF NOT FOUND THEN
+        -- The row in the one partition created_at names, by a static statement on that
+        -- partition (see _make_routes); the insert above already locked the parent.
+        v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+        IF v_existing.scope IS NULL THEN
             -- The key's row is gone (maintain() dropped it after its retention): a tombstone
             -- answers expired (settings.tombstones); without one the key is new again.
             SELECT 'expired', t.response_status, t.created_at

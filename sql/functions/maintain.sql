@@ -242,6 +242,8 @@ BEGIN
     END LOOP;
     RETURN QUERY
     SELECT * FROM idempotency._make_directory_partitions(v_settings, maintain.reference_time);
+    -- The partitions of keys may have changed (here, or by pg_partman since the last run).
+    PERFORM idempotency._make_routes();
     PERFORM set_config('lock_timeout', v_saved_lock_timeout, true);
     RETURN;
 END;

@@ -542,8 +542,10 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NULL
       ORDER BY 1$$,
-    $$VALUES ('_headers_ok'), ('_lease_ok'), ('_lock_name'), ('_name_ok')$$,
-    'every function pins search_path except the inlinable helpers'
+    $$VALUES ('_complete_row'), ('_headers_ok'), ('_key_row'), ('_lease_ok'), ('_lock_name'),
+             ('_name_ok')$$,
+    'every function pins search_path except the inlinable helpers and the two generated '
+    || 'routes (called only from functions that pin it; see _make_routes)'
 );
 -- The functions that turn partition bounds into text also pin DateStyle and TimeZone, so what
 -- they read does not depend on the caller's session (migration 0004).
@@ -551,7 +553,7 @@ SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NOT NULL
         AND p.proconfig <> ARRAY['search_path=pg_catalog, pg_temp']
-        AND NOT (p.proname IN ('_partitions', '_create_partition')
+        AND NOT (p.proname IN ('_partitions', '_create_partition', '_make_routes')
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
                                          'DateStyle=ISO, YMD', 'TimeZone=UTC'])
         AND NOT (p.proname IN ('claim', '_resume_existing', '_finish', 'heartbeat',
@@ -596,11 +598,12 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
         ('_canonical_json', 'i'), ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
-        ('_check_response', 'i'),
+        ('_check_response', 'i'), ('_complete_row', 'v'),
         ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
         ('_headers_ok', 'i'),
-        ('_invalid_argument', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
+        ('_invalid_argument', 'v'), ('_key_row', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
         ('_lock_name', 'v'), ('_make_directory_partitions', 'v'), ('_make_partitions', 'v'),
+        ('_make_routes', 'v'),
         ('_name_ok', 'i'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
