@@ -14,12 +14,14 @@ import time
 import unittest
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "django_payments"
@@ -187,6 +189,45 @@ def test_conflict_has_a_small_retry_after(app_db: str, monkeypatch: Any) -> None
         assert first.result().status_code == 201
     assert busy.status_code == 409
     assert busy.headers["Retry-After"] == "1"  # not the 30 s lease
+    assert counts() == (1, 2, 1)
+
+
+def test_under_database_settings_psycopg_cannot_parse(plain_db: str, monkeypatch: Any) -> None:
+    """A DBA set DateStyle, IntervalStyle and TimeZone for the database. Django binds on the
+    client side, so the lease goes as text in sql_standard; the claim, a retry's 409 (its
+    retry_after), complete() and the replay read times back (tests/test_session_settings.py)."""
+    dbname = conninfo_to_dict(plain_db)["dbname"]
+    with psycopg.connect(plain_db, autocommit=True) as conn:
+        for name, value in (("datestyle", "SQL, DMY"), ("intervalstyle", "sql_standard"),
+                            ("timezone", "Pacific/Chatham")):
+            conn.execute(sql.SQL("ALTER DATABASE {} SET {} = {}").format(
+                sql.Identifier(dbname), sql.Identifier(name), sql.Literal(value)))
+    connections.close_all()
+    seen: dict[str, Any] = {}
+    original = views.record
+
+    def record(account: Any, amount: Any) -> Any:
+        payment = original(account, amount)
+        with connections["default"].cursor() as cursor:
+            cursor.execute("SHOW DateStyle")
+            seen["datestyle"] = cursor.fetchone()
+        with ThreadPoolExecutor(1) as pool:  # another thread: another connection
+            seen["retry"] = pool.submit(closing(post, Client(), "k1")).result()
+        with psycopg.connect(plain_db, options="-c DateStyle=ISO -c IntervalStyle=postgres"
+                             ) as other:
+            seen["lease"] = other.execute("SELECT lease_expires_at - created_at "
+                                          "FROM idempotency.keys WHERE key = 'k1'").fetchone()
+        return payment
+
+    monkeypatch.setattr(views, "record", record)
+    first = post(Client(), "k1")
+    assert first.status_code == 201, first.content
+    assert seen["datestyle"] == ("SQL, DMY",)
+    assert seen["retry"].status_code == 409 and seen["retry"].headers["Retry-After"] == "1"
+    assert seen["lease"] == (timedelta(seconds=30),)
+    replay = post(Client(), "k1")
+    assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"
+    assert replay.content == first.content
     assert counts() == (1, 2, 1)
 
 

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from datetime import timedelta
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
+from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -111,6 +113,30 @@ async def test_409_with_retry_after_then_replay(db: str) -> None:
         assert (replay.status_code, replay.content) == (201, first.content)
         assert replay.headers["idempotent-replayed"] == "true"
     assert len(ledger_rows(db)) == 1
+
+
+# DateStyle, IntervalStyle and TimeZone that psycopg's timestamptz and interval loaders cannot
+# parse, as a DBA may set them for the application's role (tests/test_session_settings.py).
+HOSTILE_OPTIONS = "-c DateStyle=SQL,DMY -c IntervalStyle=sql_standard -c TimeZone=Pacific/Chatham"
+
+
+async def test_409_and_replay_under_hostile_session_settings(db: str) -> None:
+    processor = payments.FakeProcessor(delay=1.0)
+    app = payments.create_app(make_conninfo(db, options=HOSTILE_OPTIONS), processor, wait=0)
+    async with lifespan(app), asgi_client(app) as client:
+        original = asyncio.ensure_future(post(client, "slow", {"amount": 9}))
+        await _until_claimed(db, "slow")
+        with psycopg.connect(db) as conn:  # the lease went in as 30 s
+            assert conn.execute("SELECT lease_expires_at - created_at FROM idempotency.keys "
+                                "WHERE key = 'slow'").fetchone() == (timedelta(seconds=30),)
+        busy = await post(client, "slow", {"amount": 9})  # reads retry_after (an interval)
+        assert busy.status_code == 409 and busy.headers["retry-after"] == "2"
+        first = await original
+        assert first.status_code == 201, first.text
+        replay = await post(client, "slow", {"amount": 9})  # reads completed_at
+        assert (replay.status_code, replay.content) == (201, first.content)
+        assert replay.headers["idempotent-replayed"] == "true"
+    assert len(ledger_rows(db)) == 1 and processor.calls == 1
 
 
 async def test_lease_lost_while_handling_rolls_back_and_answers_409(db: str) -> None:

@@ -20,9 +20,10 @@ import json
 import logging
 from collections.abc import Awaitable, Callable, Generator, Mapping
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import datetime, timedelta, timezone
+from decimal import Decimal
 from enum import Enum
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Any, Concatenate, ParamSpec, TypeVar, overload
 
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
@@ -147,10 +148,11 @@ class ClaimResult:
                 body=load_json(row["response_body"]),
                 body_bytes=bytes(body_bytes) if body_bytes is not None else None,
                 content_type=row["response_content_type"],
-                completed_at=row["completed_at"],
+                completed_at=load_time(row["completed_at"]),
             )
-        return cls(outcome, row["lease_token"], row["lease_expires_at"], row["recovery_point"],
-                   row["attempts"], row["retry_after"], row["created_at"], response)
+        return cls(outcome, row["lease_token"], load_time(row["lease_expires_at"]),
+                   row["recovery_point"], row["attempts"], load_interval(row["retry_after"]),
+                   load_time(row["created_at"]), response)
 
 
 def load_json(text: str | None) -> Any:
@@ -158,6 +160,48 @@ def load_json(text: str | None) -> Any:
     connection has registered (Django registers a text loader for jsonb), the result is the
     same."""
     return None if text is None else json.loads(text)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+def _microseconds(text: str) -> int:
+    seconds = Decimal(text)  # exact: numeric text with 6 decimals
+    if not seconds.is_finite():
+        raise OverflowError(text)
+    return int(seconds.scaleb(6))
+
+
+@overload
+def load_time(text: str) -> datetime: ...
+@overload
+def load_time(text: None) -> None: ...
+def load_time(text: str | None) -> datetime | None:
+    """A timestamptz column that queries.py sends as seconds since 1970-01-01 UTC (numeric
+    text), as an aware datetime in UTC: the same instant, to the microsecond, under every
+    DateStyle and TimeZone."""
+    if text is None:
+        return None
+    try:
+        return _EPOCH + timedelta(microseconds=_microseconds(text))
+    except OverflowError:
+        raise psycopg.DataError("timestamp out of the range of datetime (years 1 to 9999): "
+                                f"{text} s since 1970") from None
+
+
+@overload
+def load_interval(text: str) -> timedelta: ...
+@overload
+def load_interval(text: None) -> None: ...
+def load_interval(text: str | None) -> timedelta | None:
+    """An interval column that queries.py sends as its length in seconds (numeric text), as a
+    timedelta: the same under every IntervalStyle."""
+    if text is None:
+        return None
+    try:
+        return timedelta(microseconds=_microseconds(text))
+    except OverflowError:
+        raise psycopg.DataError(f"interval out of the range of timedelta: {text} s") from None
 
 
 @dataclass(frozen=True)
@@ -170,6 +214,11 @@ class AbandonedKey:
     recovery_point: str | None
     attempts: int
     created_at: datetime
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> AbandonedKey:
+        return cls(row["scope"], row["key"], load_time(row["lease_expires_at"]),
+                   row["recovery_point"], row["attempts"], load_time(row["created_at"]))
 
 
 # -- what the generators ask the drivers for -------------------------------------------------
@@ -420,7 +469,7 @@ def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
         "recovery_point": recovery_point, "extend": _interval(extend),
         "reference_time": reference_time,
     }, fenced=True), scope, key, "checkpoint")
-    return row["lease_expires_at"]  # type: ignore[no-any-return]
+    return load_time(row["lease_expires_at"])
 
 
 def heartbeat(scope: str, key: str, lease_token: int, *,
@@ -431,7 +480,7 @@ def heartbeat(scope: str, key: str, lease_token: int, *,
         "scope": scope, "key": key, "lease_token": lease_token, "lease": _interval(lease),
         "reference_time": reference_time,
     }, fenced=True), scope, key, "heartbeat")
-    return row["lease_expires_at"]  # type: ignore[no-any-return]
+    return load_time(row["lease_expires_at"])
 
 
 def _complete_query(scope: str, key: str, lease_token: int, status: int, body: Any,
@@ -464,7 +513,7 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     q = _complete_query(scope, key, lease_token, status, body, headers, content_type,
                         reference_time)
     row = yield from _fenced(q, scope, key, "complete")
-    return row["completed_at"]  # type: ignore[no-any-return]
+    return load_time(row["completed_at"])
 
 
 def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -475,7 +524,7 @@ def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None
     optionally extend the lease. Returns the lease expiry."""
     row = yield from _accept_row(scope, key, lease_token, status, body, headers=headers,
                                  lease=lease, reference_time=reference_time)
-    return row["lease_expires_at"]  # type: ignore[no-any-return]
+    return load_time(row["lease_expires_at"])
 
 
 def _accept_row(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -511,7 +560,7 @@ def list_abandoned(max_keys: int = 100, *, scope: str | None = None,
     ends, so run it in a transaction together with the takeovers."""
     rows = yield _Query(Q.LIST_ABANDONED, {"max_keys": max_keys, "scope": scope,
                                            "reference_time": reference_time}, fetch="all")
-    return [AbandonedKey(**row) for row in rows]
+    return [AbandonedKey.from_row(row) for row in rows]
 
 
 def inbox_accept(consumer: str, message_id: str, *,
@@ -659,7 +708,7 @@ class OperationCore:
             _complete_query(self.scope, self.key, token, status, body, headers, content_type,
                             self._reference_time, commit=True),
             self.scope, self.key, "complete")
-        completed_at = row["completed_at"]
+        completed_at = load_time(row["completed_at"])
         self._done = True
         is_bytes = isinstance(body, (bytes, bytearray, memoryview))
         self.response = StoredResponse(

@@ -41,6 +41,7 @@ from psycopg import pq
 from psycopg.rows import dict_row
 
 from . import queries as Q
+from .core import load_time
 
 __all__ = [
     "MaintenanceStep",
@@ -97,7 +98,8 @@ def run_maintenance(
     for attempt in range(1, attempts + 1):
         with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
             rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time}).fetchall()
-        this_run = [MaintenanceStep(**row, attempt=attempt) for row in rows]
+        this_run = [MaintenanceStep(**_times(row, "lower_bound", "upper_bound"), attempt=attempt)
+                    for row in rows]
         steps.extend(this_run)
         if not any(s.skipped_for_a_lock for s in this_run) or attempt == attempts:
             break
@@ -130,7 +132,14 @@ def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None 
     with conn.cursor(row_factory=dict_row) as cur:
         keys = cur.execute(Q.KEY_STATUS, params).fetchall()
         partitions = cur.execute(Q.PARTITION_STATUS, params).fetchall()
-    return Status(keys=keys, partitions=partitions)
+    return Status(
+        keys=[_times(k, "oldest_created_at", "oldest_expired_lease") for k in keys],
+        partitions=[_times(p, "lower_bound", "upper_bound", "drop_after") for p in partitions])
+
+
+def _times(row: dict[str, Any], *columns: str) -> dict[str, Any]:
+    """The row with its timestamptz columns (epoch text, queries._seconds) as datetimes."""
+    return {**row, **{c: load_time(row[c]) for c in columns}}
 
 
 def _cell(value: Any) -> str:

@@ -3,21 +3,39 @@
 Calls use named notation with explicit casts, so they keep working if the engine adds
 defaulted arguments, and a reader sees which argument each value is. Parameters are psycopg
 named placeholders; the values are always bound, never formatted into the text.
+
+Times and intervals are settings-proof both ways: psycopg sends datetime and timedelta values
+in binary (with client-side binding, as ISO 8601 text and in the form the session's
+IntervalStyle reads), and every timestamptz or interval result comes back as epoch seconds
+(:func:`_seconds`), so any DateStyle, IntervalStyle and TimeZone work.
 """
 
 from __future__ import annotations
 
 from typing import Final
 
+
+def _seconds(column: str) -> str:
+    """A timestamptz column as its seconds since 1970-01-01 UTC, an interval as its length in
+    seconds, as numeric text: ``core.load_time`` and ``core.load_interval`` parse it.
+
+    psycopg's loaders parse timestamptz only in DateStyle ISO and interval only in
+    IntervalStyle postgres, and a role or a database may set any style. The epoch is the same
+    under every DateStyle, IntervalStyle and TimeZone, and exact to the microsecond (numeric
+    from PostgreSQL 14 on). Text, so that a loader an application registered for numeric (a
+    float one) cannot round it."""
+    return f"extract(epoch FROM {column})::text AS {column}"
+
+
 # -- the lifecycle (docs/sql-api.md) --------------------------------------------------------
 
 # The claim_result columns, jsonb ones as text: the package parses them itself, so a loader
 # an application or framework registered for jsonb (Django registers a text loader) changes
-# nothing.
-_CLAIM_COLUMNS = """outcome, lease_token, lease_expires_at, recovery_point, attempts,
-       response_status, response_headers::text AS response_headers,
+# nothing. The same for the times (_seconds).
+_CLAIM_COLUMNS = f"""outcome, lease_token, {_seconds("lease_expires_at")}, recovery_point,
+       attempts, response_status, response_headers::text AS response_headers,
        response_body::text AS response_body, response_body_bytes, response_content_type,
-       retry_after, created_at, completed_at"""
+       {_seconds("retry_after")}, {_seconds("created_at")}, {_seconds("completed_at")}"""
 
 CLAIM: Final = f"""
 SELECT {_CLAIM_COLUMNS} FROM idempotency.claim(
@@ -32,41 +50,42 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     reference_time => %(reference_time)s::timestamptz)
 """
 
+# The functions that return a timestamptz: as its epoch, like _seconds.
 CHECKPOINT: Final = """
-SELECT idempotency.checkpoint(
+SELECT extract(epoch FROM idempotency.checkpoint(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     recovery_point => %(recovery_point)s::text, extend => %(extend)s::interval,
-    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at
 """
 
 HEARTBEAT: Final = """
-SELECT idempotency.heartbeat(
+SELECT extract(epoch FROM idempotency.heartbeat(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     lease => %(lease)s::interval,
-    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at
+    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at
 """
 
 COMPLETE: Final = """
-SELECT idempotency.complete(
+SELECT extract(epoch FROM idempotency.complete(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
-    reference_time => %(reference_time)s::timestamptz) AS completed_at
+    reference_time => %(reference_time)s::timestamptz))::text AS completed_at
 """
 
 COMPLETE_BYTES: Final = """
-SELECT idempotency.complete_bytes(
+SELECT extract(epoch FROM idempotency.complete_bytes(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::bytea,
     content_type => %(content_type)s::text, headers => %(headers)s::jsonb,
-    reference_time => %(reference_time)s::timestamptz) AS completed_at
+    reference_time => %(reference_time)s::timestamptz))::text AS completed_at
 """
 
 ACCEPT: Final = """
-SELECT idempotency.accept(
+SELECT extract(epoch FROM idempotency.accept(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
     lease => %(lease)s::interval,
-    reference_time => %(reference_time)s::timestamptz) AS lease_expires_at,
+    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at,
     -- the body as jsonb stores it (key order, numbers): what a replay of it will send
     %(body)s::jsonb::text AS body
 """
@@ -76,8 +95,10 @@ SELECT idempotency.release(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint)
 """
 
-LIST_ABANDONED: Final = """
-SELECT * FROM idempotency.list_abandoned(
+LIST_ABANDONED: Final = f"""
+SELECT scope, key, {_seconds("lease_expires_at")}, recovery_point, attempts,
+       {_seconds("created_at")}
+FROM idempotency.list_abandoned(
     max_keys => %(max_keys)s::integer, scope => %(scope)s::text,
     reference_time => %(reference_time)s::timestamptz)
 """
@@ -123,17 +144,19 @@ SELECT idempotency.fingerprint(
 
 # -- retention (maintenance.py) ----------------------------------------------------------
 
-MAINTAIN: Final = """
-SELECT action, parent_table, partition_name, lower_bound, upper_bound, row_count, reason
+MAINTAIN: Final = f"""
+SELECT action, parent_table, partition_name, {_seconds("lower_bound")},
+       {_seconds("upper_bound")}, row_count, reason
 FROM idempotency.maintain(reference_time => coalesce(%(reference_time)s::timestamptz, now()))
 """
-KEY_STATUS: Final = """
-SELECT scope, state, keys, oldest_created_at, oldest_key, expired_leases, oldest_expired_lease
+KEY_STATUS: Final = f"""
+SELECT scope, state, keys, {_seconds("oldest_created_at")}, oldest_key, expired_leases,
+       {_seconds("oldest_expired_lease")}
 FROM idempotency.key_status(reference_time => %(reference_time)s::timestamptz)
 """
-PARTITION_STATUS: Final = """
-SELECT parent_table, partition_name, lower_bound, upper_bound, row_count, total_bytes,
-       drop_after, note
+PARTITION_STATUS: Final = f"""
+SELECT parent_table, partition_name, {_seconds("lower_bound")}, {_seconds("upper_bound")},
+       row_count, total_bytes, {_seconds("drop_after")}, note
 FROM idempotency.partition_status(reference_time => %(reference_time)s::timestamptz)
 """
 
