@@ -17,6 +17,9 @@ from psycopg.rows import dict_row
 # (function name, message substring) -> why this warning is acceptable.
 # Keep every entry justified; an entry that no longer matches anything fails the test.
 ALLOWED: dict[tuple[str, str], str] = {
+    ("_make_routes", "should be STABLE"):
+        "it runs CREATE OR REPLACE FUNCTION, REVOKE and COMMENT through EXECUTE (the functions "
+        "it makes are named at run time), which the checker cannot see",
     ("_key_row", "should be STABLE"):
         "it only reads, but claim needs each of its statements to take a snapshot of its own, "
         "after the key lock (a STABLE function reads with its caller's)",

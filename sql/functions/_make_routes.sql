@@ -1,8 +1,10 @@
--- Generates the two routed statements of the hot path, so that they touch one plain partition of
+-- Generates the routed statements of the lifecycle, so that they touch one plain partition of
 -- idempotency.keys instead of the partitioned parent:
 --
---   _key_row(scope, key, created_at)      the key's row (claim's replay/in-progress/mismatch path)
---   _complete_row(scope, key, token, ...) complete()'s fenced UPDATE (through _finish)
+--   _key_row(scope, key, created_at)         the key's row (claim's replay/in-progress/mismatch)
+--   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
+--   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
+--   _accept_row, _release_row                accept() and the DELETE of release()
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
 -- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
@@ -37,130 +39,161 @@ SET datestyle = 'ISO, YMD'
 SET timezone = 'UTC'
 AS $make$
 DECLARE
-    -- %1$s is the table the statement addresses: a partition, then the parent as the last word.
-    v_row_sql constant text := $sql$
-        SELECT k.* INTO v_row
-        FROM %1$s AS k
-        WHERE k.scope = _key_row.scope AND k.key = _key_row.key
-          AND k.created_at = _key_row.created_at;$sql$;
-    v_complete_sql constant text := $sql$
-        UPDATE %1$s AS k
+    -- One row per generated function: its name, its parameters, what it returns (held in
+    -- v_done), and its statement, in which @table@ is the table addressed (a partition, then
+    -- the parent as the last word) and @fn@ the function's name. The fenced writes match only
+    -- the caller's token on a key in progress; a lease only grows (greatest() ignores a NULL
+    -- expires_at, which keeps the lease as it is).
+    v_routes constant text[][] := ARRAY[
+        ['_key_row', 'scope text, key text, created_at timestamptz', 'idempotency.keys', $sql$
+        SELECT k.* INTO v_done
+        FROM @table@ AS k
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at;$sql$,
+         'claim()''s read of the key''s row'],
+        ['_complete_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
+         || 'headers jsonb, body jsonb, body_bytes bytea, content_type text, '
+         || 'completed_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
         SET state = 'completed',
             lease_expires_at = NULL,
-            response_status = _complete_row.status,
-            response_headers = _complete_row.headers,
-            response_body = _complete_row.body,
-            response_body_bytes = _complete_row.body_bytes,
-            response_content_type = _complete_row.content_type,
-            completed_at = _complete_row.completed_at
-        WHERE k.scope = _complete_row.scope AND k.key = _complete_row.key
-          AND k.lease_token = _complete_row.lease_token AND k.state = 'in_progress'
-          AND k.created_at = _complete_row.created_at
-        RETURNING k.completed_at INTO v_done;$sql$;
-    v_row_branches text := '';
-    v_complete_branches text := '';
-    v_part record;
-    v_test text;
+            response_status = @fn@.status,
+            response_headers = @fn@.headers,
+            response_body = @fn@.body,
+            response_body_bytes = @fn@.body_bytes,
+            response_content_type = @fn@.content_type,
+            completed_at = @fn@.completed_at
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.completed_at INTO v_done;$sql$,
+         'complete()''s fenced UPDATE'],
+        ['_heartbeat_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, '
+         || 'expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'heartbeat()''s fenced UPDATE'],
+        ['_checkpoint_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, '
+         || 'recovery_point text, expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET recovery_point = @fn@.recovery_point,
+            lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'checkpoint()''s fenced UPDATE'],
+        ['_accept_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
+         || 'headers jsonb, body jsonb, expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET response_status = @fn@.status,
+            response_headers = @fn@.headers,
+            response_body = @fn@.body,
+            response_body_bytes = NULL,
+            response_content_type =
+                CASE WHEN @fn@.body IS NULL THEN NULL ELSE 'application/json' END,
+            lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'accept()''s fenced UPDATE'],
+        ['_release_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz',
+         'boolean', $sql$
+        DELETE FROM @table@ AS k
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING true INTO v_done;$sql$,
+         'release()''s fenced DELETE']
+    ];
+    v_parts record;
+    v_fn text;
+    v_branches text;
     v_source text;
+    v_signature regprocedure;
     v_changed boolean := false;
 BEGIN
-    -- Newest first: most calls concern keys claimed moments ago (the partitions made ahead come
-    -- first, but they are only a few).
-    FOR v_part IN
-        SELECT p.partition_name, p.lower_bound, p.upper_bound
-        FROM idempotency._partitions('keys') AS p
-        WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
-        ORDER BY p.lower_bound DESC
-    LOOP
-        -- @fn@ becomes the generated function's name (replace(), not format(): a partition's
-        -- name may hold a %).
-        v_test := format(
-            E'\n    %s @fn@.created_at >= %L::timestamptz AND @fn@.created_at < %L::timestamptz'
-            || E'\n       AND to_regclass(%L) IS NOT NULL THEN',
-            CASE WHEN v_row_branches = '' THEN 'IF' ELSE 'ELSIF' END,
-            v_part.lower_bound, v_part.upper_bound,
-            format('idempotency.%I', v_part.partition_name));
-        v_row_branches := v_row_branches
-            || replace(v_test, '@fn@', '_key_row')
-            || format(v_row_sql, format('idempotency.%I', v_part.partition_name));
-        v_complete_branches := v_complete_branches
-            || replace(v_test, '@fn@', '_complete_row')
-            || format(v_complete_sql, format('idempotency.%I', v_part.partition_name));
+    FOR i IN 1 .. array_length(v_routes, 1) LOOP
+        v_fn := v_routes[i][1];
+        v_branches := '';
+        -- Newest first: most calls concern keys claimed moments ago (the partitions made ahead
+        -- come first, but they are only a few).
+        FOR v_parts IN
+            SELECT p.partition_name, p.lower_bound, p.upper_bound
+            FROM idempotency._partitions('keys') AS p
+            WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
+            ORDER BY p.lower_bound DESC
+        LOOP
+            -- replace(), not format(), for the statement: a partition's name may hold a %.
+            -- The table's name goes in last, so nothing in it is replaced.
+            v_branches := v_branches || format(
+                E'\n    %1$s %2$s.created_at >= %3$L::timestamptz'
+                || ' AND %2$s.created_at < %4$L::timestamptz'
+                || E'\n       AND to_regclass(%5$L) IS NOT NULL THEN',
+                CASE WHEN v_branches = '' THEN 'IF' ELSE 'ELSIF' END, v_fn,
+                v_parts.lower_bound, v_parts.upper_bound,
+                format('idempotency.%I', v_parts.partition_name))
+                || replace(replace(v_routes[i][4], '@fn@', v_fn), '@table@',
+                           format('idempotency.%I', v_parts.partition_name));
+        END LOOP;
+        IF v_branches <> '' THEN
+            v_branches := v_branches
+                || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+        END IF;
+        v_source := format(
+            E'\n-- Generated by idempotency._make_routes(): do not edit.\n'
+            'DECLARE\n    v_done %s;\nBEGIN%s%s\n    RETURN v_done;\nEND;\n',
+            v_routes[i][3], v_branches,
+            replace(replace(v_routes[i][4], '@fn@', v_fn), '@table@', 'idempotency.keys'));
+        v_signature := to_regprocedure(format(
+            'idempotency.%s(%s)', v_fn,
+            (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
+             FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n))));
+        IF v_signature IS NULL
+           OR v_source IS DISTINCT FROM (SELECT p.prosrc FROM pg_proc AS p
+                                         WHERE p.oid = v_signature) THEN
+            -- No SET clauses: only functions that pin search_path and generic plans call it,
+            -- and a SET would cost a GUC save and restore on every call.
+            EXECUTE format($ddl$
+                CREATE OR REPLACE FUNCTION idempotency.%I(%s)
+                RETURNS %s
+                LANGUAGE plpgsql
+                -- VOLATILE: each statement takes its own snapshot, after the caller's locks.
+                VOLATILE
+                AS %L$ddl$, v_fn, v_routes[i][2], v_routes[i][3], v_source);
+            v_signature := to_regprocedure(format(
+                'idempotency.%s(%s)', v_fn,
+                (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
+                 FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n))));
+            -- CREATE OR REPLACE keeps the privileges of a function that existed; a new one
+            -- would be executable by PUBLIC.
+            EXECUTE format('REVOKE ALL ON FUNCTION %s FROM public', v_signature);
+            EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_signature,
+                           format('Internal, generated by _make_routes(): %s on the partition '
+                                  'of keys that created_at names, through the parent when no '
+                                  'branch finds the row.', v_routes[i][5]));
+            v_changed := true;
+        END IF;
     END LOOP;
-    IF v_row_branches <> '' THEN
-        v_row_branches := v_row_branches
-            || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_row;\n    END IF;';
-        v_complete_branches := v_complete_branches
-            || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
-    END IF;
-
-    v_source := format(
-        E'\n-- Generated by idempotency._make_routes(): do not edit.\n'
-        'DECLARE\n    v_row idempotency.keys;\nBEGIN%s%s\n    RETURN v_row;\nEND;\n',
-        v_row_branches, format(v_row_sql, 'idempotency.keys'));
-    IF v_source IS DISTINCT FROM (
-        SELECT p.prosrc FROM pg_proc AS p
-        WHERE p.oid = to_regprocedure('idempotency._key_row(text, text, timestamptz)')
-    ) THEN
-        -- No SET clauses: only claim (which pins search_path and generic plans) calls it, and a
-        -- SET would cost a GUC save and restore on every call.
-        EXECUTE format($ddl$
-            CREATE OR REPLACE FUNCTION idempotency._key_row(
-                scope text, key text, created_at timestamptz
-            )
-            RETURNS idempotency.keys
-            LANGUAGE plpgsql
-            -- VOLATILE: each statement takes its own snapshot, after the caller's key lock.
-            VOLATILE
-            AS %L$ddl$, v_source);
-        v_changed := true;
-    END IF;
-
-    v_source := format(
-        E'\n-- Generated by idempotency._make_routes(): do not edit.\n'
-        'DECLARE\n    v_done timestamptz;\nBEGIN%s%s\n    RETURN v_done;\nEND;\n',
-        v_complete_branches, format(v_complete_sql, 'idempotency.keys'));
-    IF v_source IS DISTINCT FROM (
-        SELECT p.prosrc FROM pg_proc AS p
-        WHERE p.oid = to_regprocedure(
-            'idempotency._complete_row(text, text, bigint, timestamptz, integer, jsonb, jsonb, '
-            'bytea, text, timestamptz)')
-    ) THEN
-        -- Only _finish (search_path and generic plans pinned) calls it; no SET, as above.
-        EXECUTE format($ddl$
-            CREATE OR REPLACE FUNCTION idempotency._complete_row(
-                scope text, key text, lease_token bigint, created_at timestamptz,
-                status integer, headers jsonb, body jsonb, body_bytes bytea,
-                content_type text, completed_at timestamptz
-            )
-            RETURNS timestamptz
-            LANGUAGE plpgsql
-            VOLATILE
-            AS %L$ddl$, v_source);
-        v_changed := true;
-    END IF;
-
-    IF v_changed THEN
-        -- CREATE OR REPLACE keeps the privileges of a function that existed; a new one would be
-        -- executable by PUBLIC.
-        REVOKE ALL ON FUNCTION idempotency._key_row(text, text, timestamptz) FROM public;
-        REVOKE ALL ON FUNCTION idempotency._complete_row(
-            text, text, bigint, timestamptz, integer, jsonb, jsonb, bytea, text, timestamptz
-        ) FROM public;
-        COMMENT ON FUNCTION idempotency._key_row(text, text, timestamptz) IS
-        'Internal, generated by _make_routes(): the row of a key in the partition its created_at
-names, through the parent when no branch finds it.';
-        COMMENT ON FUNCTION idempotency._complete_row(
-            text, text, bigint, timestamptz, integer, jsonb, jsonb, bytea, text, timestamptz
-        ) IS
-        'Internal, generated by _make_routes(): complete()''s fenced UPDATE on the partition the
-key''s created_at names, through the parent when no branch finds the row.';
-    END IF;
     RETURN v_changed;
 END;
 $make$;
 
 COMMENT ON FUNCTION idempotency._make_routes() IS
-'Internal: (re)generate _key_row and _complete_row, which address one partition of keys by a
-static statement per partition; true when either was replaced. Run by _create_partition and
-maintain().';
+'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row
+and _release_row, which address one partition of keys by a static statement per partition;
+true when any was replaced. Run by _create_partition and maintain().';

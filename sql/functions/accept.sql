@@ -50,23 +50,17 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
+    -- Joined for its lock only, as in _finish: the parent is locked before the route's
+    -- to_regclass test (see _make_routes).
+    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
 
-    UPDATE idempotency.keys AS k
-    SET response_status = accept.status,
-        response_headers = v_headers,
-        response_body = accept.body,
-        response_body_bytes = NULL,
-        response_content_type =
-            CASE WHEN accept.body IS NULL THEN NULL ELSE 'application/json' END,
-        lease_expires_at = CASE WHEN accept.lease IS NULL THEN k.lease_expires_at
-            ELSE greatest(k.lease_expires_at, v_now + accept.lease) END
-    WHERE k.scope = accept.scope AND k.key = accept.key
-      AND k.lease_token = accept.lease_token AND k.state = 'in_progress'
-      -- Lets the executor skip the partitions made ahead (see claim()).
-      AND k.created_at = v_created_at
-    RETURNING k.lease_expires_at INTO v_expires;
-    IF NOT FOUND THEN
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no lease given) keeps the lease as it is.
+    v_expires := idempotency._accept_row(accept.scope, accept.key, accept.lease_token,
+                                         v_created_at, accept.status, v_headers, accept.body,
+                                         v_now + accept.lease);
+    IF v_expires IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,
                                          accept.lease_token);
     END IF;

@@ -38,17 +38,18 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
+    -- Joined for its lock only, as in _finish: the parent is locked before the route's
+    -- to_regclass test (see _make_routes).
+    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = checkpoint.scope AND d.key_hash = sha256(convert_to(checkpoint.key, 'UTF8'));
 
-    UPDATE idempotency.keys AS k
-    SET recovery_point = checkpoint.recovery_point,
-        lease_expires_at = CASE WHEN checkpoint.extend IS NULL THEN k.lease_expires_at
-            ELSE greatest(k.lease_expires_at, v_now + checkpoint.extend) END
-    WHERE k.scope = checkpoint.scope AND k.key = checkpoint.key
-      AND k.lease_token = checkpoint.lease_token AND k.state = 'in_progress'
-      AND k.created_at = v_created_at
-    RETURNING k.lease_expires_at INTO v_expires;
-    IF NOT FOUND THEN
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no extend) keeps the lease as it is.
+    v_expires := idempotency._checkpoint_row(checkpoint.scope, checkpoint.key,
+                                             checkpoint.lease_token, v_created_at,
+                                             checkpoint.recovery_point,
+                                             v_now + checkpoint.extend);
+    IF v_expires IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.checkpoint', checkpoint.scope,
                                          checkpoint.key, checkpoint.lease_token);
     END IF;

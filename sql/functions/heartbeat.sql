@@ -32,15 +32,16 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
+    -- Joined for its lock only, as in _finish: the parent is locked before the route's
+    -- to_regclass test (see _make_routes).
+    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = heartbeat.scope AND d.key_hash = sha256(convert_to(heartbeat.key, 'UTF8'));
 
-    UPDATE idempotency.keys AS k
-    SET lease_expires_at = greatest(k.lease_expires_at, v_now + heartbeat.lease)
-    WHERE k.scope = heartbeat.scope AND k.key = heartbeat.key
-      AND k.lease_token = heartbeat.lease_token AND k.state = 'in_progress'
-      AND k.created_at = v_created_at
-    RETURNING k.lease_expires_at INTO v_expires;
-    IF NOT FOUND THEN
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    v_expires := idempotency._heartbeat_row(heartbeat.scope, heartbeat.key,
+                                            heartbeat.lease_token, v_created_at,
+                                            v_now + heartbeat.lease);
+    IF v_expires IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.heartbeat', heartbeat.scope,
                                          heartbeat.key, heartbeat.lease_token);
     END IF;

@@ -23,13 +23,14 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
+    -- Joined for its lock only, as in _finish: the parent is locked before the route's
+    -- to_regclass test (see _make_routes).
+    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'));
 
-    DELETE FROM idempotency.keys AS k
-    WHERE k.scope = release.scope AND k.key = release.key
-      AND k.lease_token = release.lease_token AND k.state = 'in_progress'
-      AND k.created_at = v_created_at;
-    IF NOT FOUND THEN
+    -- The fenced DELETE, on the one partition created_at names (see _make_routes).
+    IF idempotency._release_row(release.scope, release.key, release.lease_token,
+                                v_created_at) IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
                                          release.lease_token);
     END IF;

@@ -542,10 +542,11 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NULL
       ORDER BY 1$$,
-    $$VALUES ('_complete_row'), ('_headers_ok'), ('_key_row'), ('_lease_ok'), ('_lock_name'),
-             ('_name_ok')$$,
-    'every function pins search_path except the inlinable helpers and the two generated '
-    || 'routes (called only from functions that pin it; see _make_routes)'
+    $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_headers_ok'),
+             ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_lock_name'), ('_name_ok'),
+             ('_release_row')$$,
+    'every function pins search_path except the inlinable helpers and the generated routes '
+    || '(called only from functions that pin it; see _make_routes)'
 );
 -- The functions that turn partition bounds into text also pin DateStyle and TimeZone, so what
 -- they read does not depend on the caller's session (migration 0004).
@@ -597,15 +598,17 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", p.provolatile::text FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
-        ('_canonical_json', 'i'), ('_check_headers', 'i'), ('_check_lease', 'i'), ('_check_name', 'i'),
-        ('_check_response', 'i'), ('_complete_row', 'v'),
+        ('_accept_row', 'v'), ('_canonical_json', 'i'), ('_check_headers', 'i'),
+        ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
+        ('_checkpoint_row', 'v'),
+        ('_complete_row', 'v'),
         ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
-        ('_headers_ok', 'i'),
+        ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_key_row', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
         ('_lock_name', 'v'), ('_make_directory_partitions', 'v'), ('_make_partitions', 'v'),
         ('_make_routes', 'v'),
         ('_name_ok', 'i'),
-        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
+        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
