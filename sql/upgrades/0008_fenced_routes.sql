@@ -3,13 +3,15 @@
 --
 -- 0008: heartbeat's, checkpoint's and accept's fenced UPDATE and release's DELETE go to the
 -- key's one partition of keys through generated functions, as claim's read and complete's
--- UPDATE did in 0007 (docs/design.md, "Routing to one partition"). No table changes.
+-- UPDATE did in 0007 (docs/design.md, "Routing to one partition"). complete_bytes checks its
+-- content type with the inlined test first. No table changes.
 
 -- @replace functions/_make_routes.sql
 -- @replace functions/heartbeat.sql
 -- @replace functions/checkpoint.sql
 -- @replace functions/accept.sql
 -- @replace functions/release.sql
+-- @replace functions/complete_bytes.sql
 
 -- The two functions 0007 generated are made again below with this version's text and comments
 -- (an install made fresh and an upgraded one have the same catalog).
