@@ -23,16 +23,26 @@ DECLARE
     v_created_at timestamptz;
     v_expires timestamptz;
 BEGIN
-    PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
-    PERFORM idempotency._check_name('idempotency.checkpoint', 'key', checkpoint.key);
-    IF checkpoint.lease_token IS NULL THEN
-        PERFORM idempotency._invalid_argument('idempotency.checkpoint', 'lease_token', 'IK010',
-                                              'must not be NULL');
-    END IF;
-    PERFORM idempotency._check_name('idempotency.checkpoint', 'recovery_point',
-                                    checkpoint.recovery_point);
-    IF checkpoint.extend IS NOT NULL THEN
-        PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend', checkpoint.extend);
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(checkpoint.scope)
+                    AND idempotency._name_ok(checkpoint.key)
+                    AND checkpoint.lease_token IS NOT NULL
+                    AND idempotency._name_ok(checkpoint.recovery_point)
+                    AND (checkpoint.extend IS NULL
+                         OR idempotency._lease_ok(checkpoint.extend)), false) THEN
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'key', checkpoint.key);
+        IF checkpoint.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.checkpoint', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'recovery_point',
+                                        checkpoint.recovery_point);
+        IF checkpoint.extend IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend',
+                                             checkpoint.extend);
+        END IF;
     END IF;
 
     -- The key's one partition, from the directory (see claim).

@@ -21,13 +21,19 @@ DECLARE
     v_created_at timestamptz;
     v_expires timestamptz;
 BEGIN
-    PERFORM idempotency._check_name('idempotency.heartbeat', 'scope', heartbeat.scope);
-    PERFORM idempotency._check_name('idempotency.heartbeat', 'key', heartbeat.key);
-    IF heartbeat.lease_token IS NULL THEN
-        PERFORM idempotency._invalid_argument('idempotency.heartbeat', 'lease_token', 'IK010',
-                                              'must not be NULL');
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(heartbeat.scope) AND idempotency._name_ok(heartbeat.key)
+                    AND heartbeat.lease_token IS NOT NULL
+                    AND idempotency._lease_ok(heartbeat.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'scope', heartbeat.scope);
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'key', heartbeat.key);
+        IF heartbeat.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.heartbeat', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_lease('idempotency.heartbeat', 'lease', heartbeat.lease);
     END IF;
-    PERFORM idempotency._check_lease('idempotency.heartbeat', 'lease', heartbeat.lease);
 
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at

@@ -13,11 +13,16 @@ AS $$
 DECLARE
     v_created_at timestamptz;
 BEGIN
-    PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
-    PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
-    IF release.lease_token IS NULL THEN
-        PERFORM idempotency._invalid_argument('idempotency.release', 'lease_token', 'IK010',
-                                              'must not be NULL');
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(release.scope) AND idempotency._name_ok(release.key)
+                    AND release.lease_token IS NOT NULL, false) THEN
+        PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
+        PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
+        IF release.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.release', 'lease_token', 'IK010',
+                                                  'must not be NULL');
+        END IF;
     END IF;
 
     -- The key's one partition, from the directory (see claim).
