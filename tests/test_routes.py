@@ -308,13 +308,31 @@ def test_a_partition_dropped_behind_the_routes_back(db: str) -> None:
         assert victim not in route_source(conn, "_complete_row")
 
 
-def test_alter_extension_0_6_0_to_latest_with_live_keys(server: PgServer) -> None:
+@pytest.mark.parametrize("version", ["0.6.0", "0.7.0"])
+def test_alter_extension_to_latest_with_live_keys(server: PgServer, version: str) -> None:
+    """From before routing (0.6.0) and from 0.7.0, whose two routes 0008 makes again: keys
+    made before the update replay, resume and stay fenced through every route."""
     reinstall_this_build(server)
     with scratch_db(server, "up_routes") as db, psycopg.connect(db, autocommit=True) as conn:
-        conn.execute("CREATE EXTENSION pg_idempotency VERSION '0.6.0'")
+        conn.execute(f"CREATE EXTENSION pg_idempotency VERSION '{version}'")
         conn.execute("SELECT count(*) FROM idempotency.maintain()")
-        assert conn.execute("SELECT to_regproc('idempotency._key_row')").fetchone()[0] is None
+        routes = conn.execute("SELECT count(*) FROM pg_proc WHERE proname = ANY(%s)",
+                              (list(ROUTES),)).fetchone()[0]
+        assert routes == (0 if version == "0.6.0" else 2)
         st = make_state(conn)
+        tok = conn.execute("SELECT lease_token FROM idempotency.claim('hold', 'held', '{}', "
+                           "lease => '1 hour')").fetchone()[0]
+        st["keys"] += 1
         conn.execute("ALTER EXTENSION pg_idempotency UPDATE")
-        assert "idempotency.keys_p" in route_source(conn, "_complete_row")
+        for fn in ROUTES:
+            assert "idempotency.keys_p" in route_source(conn, fn), fn
         walk(conn, st)
+        # The key held across the update: every fenced call, through its route.
+        for name in ("heartbeat", "checkpoint", "accept"):
+            assert conn.execute(FENCED[name], ("hold", "held", tok)).fetchone()[0] is True, name
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute(FENCED["heartbeat"], ("hold", "held", tok - 1))
+        assert info.value.sqlstate == "IK001"
+        assert conn.execute(FENCED["release"], ("hold", "held", tok)).fetchone()[0] is True
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'hold'"
+                            ).fetchone()[0] == 0
