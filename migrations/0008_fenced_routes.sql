@@ -22,9 +22,10 @@ $guard$;
 -- Recipe of migrations/0008_fenced_routes.sql (tools/build.py --migration 8 fenced_routes); the
 -- syntax is explained in sql/upgrades/0002_maintenance.sql.
 --
--- 0008: heartbeat's, checkpoint's and accept's fenced UPDATE and release's DELETE go to the
--- key's one partition of keys through generated functions, as claim's read and complete's
--- UPDATE did in 0007 (docs/design.md, "Routing to one partition"). complete_bytes, heartbeat,
+-- 0008: heartbeat's, checkpoint's and accept's fenced UPDATE, release's DELETE, the takeover
+-- of an expired lease (claim's and takeover()'s) and takeover()'s read go to the key's one
+-- partition of keys through generated functions, as claim's read and complete's UPDATE did in
+-- 0007 (docs/design.md, "Routing to one partition"). complete_bytes, heartbeat,
 -- checkpoint and release check their arguments with the inlined tests first, as claim and
 -- complete do (the PERFORMs of _check_name cost 10-14 µs each). No table changes.
 
@@ -36,6 +37,7 @@ $guard$;
 --   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
 --   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
 --   _accept_row, _release_row                accept() and the DELETE of release()
+--   _resume_row                              the takeover of an expired lease (claim, takeover)
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
 -- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
@@ -149,7 +151,24 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING true INTO v_done;$sql$,
-         'release()''s fenced DELETE']
+         'release()''s fenced DELETE'],
+        ['_resume_row',
+         'scope text, key text, created_at timestamptz, lease_token bigint, '
+         || 'lease_expires_at timestamptz, reference_time timestamptz',
+         'idempotency.claim_result', $sql$
+        UPDATE @table@ AS k
+        SET lease_token = nextval('idempotency.lease_token_seq'),
+            lease_expires_at = @fn@.lease_expires_at,
+            attempts = k.attempts + 1
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.lease_expires_at <= @fn@.reference_time
+        RETURNING 'resumed', k.lease_token, k.lease_expires_at, k.recovery_point, k.attempts,
+                  NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                  NULL::interval, k.created_at, NULL::timestamptz
+        INTO v_done;$sql$,
+         'the takeover of an expired lease (claim''s and takeover()''s compare-and-set)']
     ];
     v_parts record;
     v_fn text;
@@ -225,8 +244,8 @@ END;
 $make$;
 
 COMMENT ON FUNCTION idempotency._make_routes() IS
-'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row
-and _release_row, which address one partition of keys by a static statement per partition;
+'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row,
+_release_row and _resume_row, which address one partition of keys by a static statement per partition;
 true when any was replaced. Run by _create_partition and maintain().';
 
 -- sql/functions/heartbeat.sql
@@ -538,6 +557,144 @@ COMMENT ON FUNCTION idempotency.complete_bytes(
 ) IS
 'Complete a key you hold with a non-JSON response body and its content type, in the same
 transaction as the business write; returns completed_at. Raises IK001, IK003 or IK004.';
+
+-- sql/functions/_resume_existing.sql
+-- What a claim or a takeover of an existing, matching key gets: the stored response, the
+-- owner's remaining lease (with its interim response, if accept() stored one), or, when the
+-- lease has expired, the key itself under a new token.
+-- Returns NULL when the takeover lost a race (the owner heartbeated, completed or released in
+-- between); the caller then reads the key again.
+CREATE OR REPLACE FUNCTION idempotency._resume_existing(
+    existing idempotency.keys, lease interval, reference_time timestamptz
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_result idempotency.claim_result;
+BEGIN
+    IF (_resume_existing.existing).state = 'completed' THEN
+        v_result.outcome := 'replay';
+        v_result.recovery_point := (_resume_existing.existing).recovery_point;
+        v_result.attempts := (_resume_existing.existing).attempts;
+        v_result.response_status := (_resume_existing.existing).response_status;
+        v_result.response_headers := (_resume_existing.existing).response_headers;
+        v_result.response_body := (_resume_existing.existing).response_body;
+        v_result.response_body_bytes := (_resume_existing.existing).response_body_bytes;
+        v_result.response_content_type := (_resume_existing.existing).response_content_type;
+        v_result.created_at := (_resume_existing.existing).created_at;
+        v_result.completed_at := (_resume_existing.existing).completed_at;
+        RETURN v_result;
+    END IF;
+
+    IF (_resume_existing.existing).lease_expires_at > _resume_existing.reference_time THEN
+        v_result.outcome := 'in_progress';
+        -- An owner that stored an interim response with accept() gets it replayed: every retry
+        -- of a long-running operation sees the same 202 (and status URL) until it completes.
+        IF (_resume_existing.existing).response_status IS NOT NULL THEN
+            v_result.outcome := 'accepted';
+            v_result.response_status := (_resume_existing.existing).response_status;
+            v_result.response_headers := (_resume_existing.existing).response_headers;
+            v_result.response_body := (_resume_existing.existing).response_body;
+            v_result.response_content_type := (_resume_existing.existing).response_content_type;
+        END IF;
+        v_result.lease_expires_at := (_resume_existing.existing).lease_expires_at;
+        v_result.recovery_point := (_resume_existing.existing).recovery_point;
+        v_result.attempts := (_resume_existing.existing).attempts;
+        v_result.retry_after :=
+            (_resume_existing.existing).lease_expires_at - _resume_existing.reference_time;
+        v_result.created_at := (_resume_existing.existing).created_at;
+        RETURN v_result;
+    END IF;
+
+    -- Take over: a compare-and-set on the token we read. Under READ COMMITTED a concurrent
+    -- heartbeat, complete or release makes the re-checked WHERE fail, and we report NULL. On
+    -- the one partition created_at names (see _make_routes); the caller holds a lock on the
+    -- parent keys (claim inserted through it; takeover reads the directory joined with it).
+    v_result := idempotency._resume_row(
+        (_resume_existing.existing).scope, (_resume_existing.existing).key,
+        (_resume_existing.existing).created_at, (_resume_existing.existing).lease_token,
+        _resume_existing.reference_time + _resume_existing.lease,
+        _resume_existing.reference_time);
+    IF v_result.outcome IS NULL THEN
+        RETURN NULL;
+    END IF;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._resume_existing(idempotency.keys, interval, timestamptz) IS
+'Internal: replay, report in progress or accepted, or take over an existing key whose
+fingerprint matched.';
+
+-- sql/functions/takeover.sql
+-- For background completers (in any language) that drive abandoned work to an end without the
+-- original request: takes over a key whose lease expired, like a retry would, but without the
+-- fingerprint check. It never inserts, so it needs no key lock and runs at any isolation level
+-- (under REPEATABLE READ a concurrent change makes it fail with 40001 rather than act twice).
+CREATE OR REPLACE FUNCTION idempotency.takeover(
+    scope text,
+    key text,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN takeover.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.takeover', takeover.reference_time) END;
+    v_created_at timestamptz;
+    v_existing idempotency.keys;
+    v_result idempotency.claim_result;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.takeover', 'scope', takeover.scope);
+    PERFORM idempotency._check_name('idempotency.takeover', 'key', takeover.key);
+    PERFORM idempotency._check_lease('idempotency.takeover', 'lease', takeover.lease);
+
+    FOR attempt IN 1 .. 5 LOOP
+        -- The key's one partition, from the directory (see claim).
+        SELECT d.created_at INTO v_created_at
+        FROM idempotency.key_directory AS d
+        -- Joined for its lock only, as in _finish: the parent is locked before the routes'
+        -- to_regclass tests (see _make_routes).
+        LEFT JOIN ONLY idempotency.keys AS parent ON false
+        WHERE d.scope = takeover.scope
+          AND d.key_hash = sha256(convert_to(takeover.key, 'UTF8'));
+        -- The row, from the one partition created_at names (see _make_routes).
+        v_existing := idempotency._key_row(takeover.scope, takeover.key, v_created_at);
+        IF v_existing.scope IS NULL THEN
+            RAISE EXCEPTION USING
+                MESSAGE = format('idempotency.takeover: key %s in scope %s does not exist',
+                                 to_json(takeover.key), to_json(takeover.scope)),
+                ERRCODE = 'IK003',
+                DETAIL = 'It was never claimed, was released, or is past retention.',
+                HINT = 'Nothing to take over.';
+        END IF;
+        v_result := idempotency._resume_existing(v_existing, takeover.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+    END LOOP;
+    v_result.outcome := 'in_progress';
+    v_result.retry_after := takeover.lease;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.takeover(text, text, interval, timestamptz) IS
+'Take over a key whose lease expired (outcome resumed, with a new token and the recovery point);
+replay when completed, in_progress while the lease is live. Raises IK003 when the key does not
+exist.';
 
 
 -- The two functions 0007 generated are made again below with this version's text and comments

@@ -10,7 +10,7 @@ statement per partition of keys. What must hold:
 - a stale route is harmless: a partition made behind their back is reached through the parent,
   and one dropped behind their back (pg_partman, by hand), even while a call waits for the drop,
   gives the documented answers, never 42P01;
-- keys made before the upgrade (extension 0.6.0) behave as before.
+- keys made before the upgrade (extension 0.6.0 or 0.7.0) behave as before.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from test_upgrade_directory import make_state, walk
 from pgharness import PgServer
 
 ROUTES = ("_key_row", "_complete_row", "_heartbeat_row", "_checkpoint_row", "_accept_row",
-          "_release_row")
+          "_release_row", "_resume_row")
 #: The fenced calls routed by 0008, each as SQL taking (scope, key, token).
 FENCED = {
     "heartbeat": "SELECT idempotency.heartbeat(%s, %s, %s, '1 hour') IS NOT NULL",
@@ -40,7 +40,7 @@ FENCED = {
 HOSTILE = "-c DateStyle=SQL,DMY -c TimeZone=Pacific/Chatham -c IntervalStyle=sql_standard"
 
 KEY_LOCKS = """
-SELECT c.relname::text FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation
+SELECT DISTINCT c.relname::text FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation
 WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND c.relkind = 'r'
   AND c.relname LIKE 'keys\\_%' ORDER BY 1
 """
@@ -177,6 +177,46 @@ def test_fenced_calls_lock_only_the_keys_partition(db: str, options: str) -> Non
                 conn.execute(FENCED[name], ("f", "k", tok))
             assert info.value.sqlstate == "IK003", name
             conn.rollback()
+
+
+def test_resume_and_takeover_lock_only_the_keys_partition(db: str) -> None:
+    """The takeover of an expired lease, by a retry's claim and by takeover(), locks one
+    partition of keys with 30 of them, and fences the old token out."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        add_past_days(conn, 26)
+        today = conn.execute(
+            "SELECT partition_name FROM idempotency._partitions('keys') "
+            "WHERE clock_timestamp() >= lower_bound AND clock_timestamp() < upper_bound"
+        ).fetchone()[0]
+        first = conn.execute("SELECT lease_token FROM idempotency.claim('t', 'k', '{}', "
+                             "lease => '1 second')").fetchone()[0]
+        conn.execute("SELECT idempotency.checkpoint('t', 'k', %s, 'charged')", (first,))
+        time.sleep(1.1)
+    with psycopg.connect(db) as conn:
+        row = conn.execute("SELECT outcome, lease_token, recovery_point, attempts FROM "
+                           "idempotency.claim('t', 'k', '{}', lease => '1 second')").fetchone()
+        assert row[0] == "resumed" and row[1] > first and row[2:] == ("charged", 2)
+        assert [r[0] for r in conn.execute(KEY_LOCKS).fetchall()] == [today]
+        conn.commit()
+        time.sleep(1.1)
+        taken = conn.execute("SELECT outcome, lease_token, attempts FROM "
+                             "idempotency.takeover('t', 'k')").fetchone()
+        assert taken[0] == "resumed" and taken[1] > row[1] and taken[2] == 3
+        assert [r[0] for r in conn.execute(KEY_LOCKS).fetchall()] == [today]
+        conn.commit()
+        assert conn.execute("SELECT outcome, retry_after > interval '20 seconds' FROM "
+                            "idempotency.takeover('t', 'k')").fetchone() == ("in_progress", True)
+        conn.commit()
+        for old in (first, row[1]):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute("SELECT idempotency.complete('t', 'k', %s, 201, '{}')", (old,))
+            assert info.value.sqlstate == "IK001"
+            conn.rollback()
+        conn.execute("SELECT idempotency.complete('t', 'k', %s, 201, '{}')", (taken[1],))
+        conn.commit()
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT idempotency.takeover('t', 'nothing')")
+        assert info.value.sqlstate == "IK003"
 
 
 @pytest.mark.parametrize("server", ["pg15"], indirect=True)

@@ -5,6 +5,7 @@
 --   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
 --   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
 --   _accept_row, _release_row                accept() and the DELETE of release()
+--   _resume_row                              the takeover of an expired lease (claim, takeover)
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
 -- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
@@ -118,7 +119,24 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING true INTO v_done;$sql$,
-         'release()''s fenced DELETE']
+         'release()''s fenced DELETE'],
+        ['_resume_row',
+         'scope text, key text, created_at timestamptz, lease_token bigint, '
+         || 'lease_expires_at timestamptz, reference_time timestamptz',
+         'idempotency.claim_result', $sql$
+        UPDATE @table@ AS k
+        SET lease_token = nextval('idempotency.lease_token_seq'),
+            lease_expires_at = @fn@.lease_expires_at,
+            attempts = k.attempts + 1
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.lease_expires_at <= @fn@.reference_time
+        RETURNING 'resumed', k.lease_token, k.lease_expires_at, k.recovery_point, k.attempts,
+                  NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                  NULL::interval, k.created_at, NULL::timestamptz
+        INTO v_done;$sql$,
+         'the takeover of an expired lease (claim''s and takeover()''s compare-and-set)']
     ];
     v_parts record;
     v_fn text;
@@ -194,6 +212,6 @@ END;
 $make$;
 
 COMMENT ON FUNCTION idempotency._make_routes() IS
-'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row
-and _release_row, which address one partition of keys by a static statement per partition;
+'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row,
+_release_row and _resume_row, which address one partition of keys by a static statement per partition;
 true when any was replaced. Run by _create_partition and maintain().';

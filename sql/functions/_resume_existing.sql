@@ -51,22 +51,15 @@ BEGIN
     END IF;
 
     -- Take over: a compare-and-set on the token we read. Under READ COMMITTED a concurrent
-    -- heartbeat, complete or release makes the re-checked WHERE fail, and we report NULL.
-    UPDATE idempotency.keys AS k
-    SET lease_token = nextval('idempotency.lease_token_seq'),
-        lease_expires_at = _resume_existing.reference_time + _resume_existing.lease,
-        attempts = k.attempts + 1
-    WHERE k.scope = (_resume_existing.existing).scope
-      AND k.key = (_resume_existing.existing).key
-      AND k.created_at = (_resume_existing.existing).created_at
-      AND k.lease_token = (_resume_existing.existing).lease_token
-      AND k.state = 'in_progress'
-      AND k.lease_expires_at <= _resume_existing.reference_time
-    RETURNING 'resumed', k.lease_token, k.lease_expires_at, k.recovery_point, k.attempts,
-              NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
-              NULL::interval, k.created_at, NULL::timestamptz
-    INTO v_result;
-    IF NOT FOUND THEN
+    -- heartbeat, complete or release makes the re-checked WHERE fail, and we report NULL. On
+    -- the one partition created_at names (see _make_routes); the caller holds a lock on the
+    -- parent keys (claim inserted through it; takeover reads the directory joined with it).
+    v_result := idempotency._resume_row(
+        (_resume_existing.existing).scope, (_resume_existing.existing).key,
+        (_resume_existing.existing).created_at, (_resume_existing.existing).lease_token,
+        _resume_existing.reference_time + _resume_existing.lease,
+        _resume_existing.reference_time);
+    IF v_result.outcome IS NULL THEN
         RETURN NULL;
     END IF;
     RETURN v_result;

@@ -544,7 +544,7 @@ SELECT results_eq(
       ORDER BY 1$$,
     $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_headers_ok'),
              ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_lock_name'), ('_name_ok'),
-             ('_release_row')$$,
+             ('_release_row'), ('_resume_row')$$,
     'every function pins search_path except the inlinable helpers and the generated routes '
     || '(called only from functions that pin it; see _make_routes)'
 );
@@ -610,6 +610,7 @@ SELECT results_eq(
         ('_name_ok', 'i'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
+        ('_resume_row', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
