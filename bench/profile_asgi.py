@@ -21,7 +21,9 @@ same body. The tables are truncated before each measurement. The handlers' 2 ms
 "processor" sleep is set to 0 unless ``--delay`` (it costs no CPU, but it makes runs slow).
 
 Runs are interleaved (round by round: every tree, every variant), and the table shows the
-median CPU µs per request over ``--rounds``:
+median CPU µs per request over ``--rounds``, user + system, and in parentheses user time
+alone (steadier from run to run: the system part is mostly the socket calls, whose cost
+varies with how requests batch up):
 
     .venv/bin/python bench/profile_asgi.py [--variants none,middleware,recipe]
         [--tree .] [--tree /path/to/baseline] [--requests 3000] [--concurrency 8]
@@ -41,6 +43,7 @@ import argparse
 import asyncio
 import importlib.util
 import json
+import os
 import random
 import statistics
 import subprocess
@@ -145,10 +148,11 @@ async def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
             profiler = cProfile.Profile()
             profiler.enable()
-        cpu, wall = time.process_time(), time.perf_counter()
+        cpu, wall, times = time.process_time(), time.perf_counter(), os.times()
         counts = await drive(app, requests=cfg["requests"], concurrency=cfg["concurrency"],
                              replay_share=cfg["replay_share"], prefix=cfg["tag"])
         cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
+        user = os.times().user - times.user
         if profiler is not None:
             profiler.disable()
     if profiler is not None:
@@ -160,7 +164,8 @@ async def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
         stats.strip_dirs().sort_stats(cfg["sort"]).print_stats(cfg["top"])
         if cfg["sort"] != "cumulative":
             stats.sort_stats("cumulative").print_stats(cfg["top"])
-    return {"cpu_us": cpu * 1e6 / cfg["requests"], "wall_s": wall, **counts}
+    return {"cpu_us": cpu * 1e6 / cfg["requests"], "user_us": user * 1e6 / cfg["requests"],
+            "wall_s": wall, **counts}
 
 
 # -- the parent: a server, interleaved children, the table ---------------------------------
@@ -240,22 +245,26 @@ def main() -> int:
                       "CPU per request")
                 return 0
             cpu: dict[tuple[str, str], list[float]] = {}
+            user: dict[tuple[str, str], list[float]] = {}
             for r in range(args.rounds):
                 for t, tree in enumerate(trees):
                     for variant in variants:
                         cfg = dict(base, tree=str(tree), variant=variant, tag=f"{r}{t}{variant}")
                         result = measure(cfg, conn)
                         cpu.setdefault((str(tree), variant), []).append(result["cpu_us"])
+                        user.setdefault((str(tree), variant), []).append(result["user_us"])
                         print(f"  round {r + 1} {variant:10s} {result['cpu_us']:7.0f} µs/req "
+                              f"(user {result['user_us']:5.0f}) "
                               f"{args.requests / result['wall_s']:6.0f} req/s  "
                               f"replayed {result['replayed']:4d}  {tree}", flush=True)
     print(f"\nCPU µs per request, median of {args.rounds} round(s); {args.requests} requests, "
           f"concurrency {args.concurrency}, replay share {args.replay_share:g}, "
           f"processor delay {'2 ms' if args.delay else 'off'}\n")
-    print("| tree | " + " | ".join(variants) + " |")
+    print("| tree | " + " | ".join(f"{v} (user)" for v in variants) + " |")
     print("|---|" + "---:|" * len(variants))
     for tree in trees:
-        row = [f"{statistics.median(cpu[(str(tree), v)]):.0f}" for v in variants]
+        row = [f"{statistics.median(cpu[(str(tree), v)]):.0f} "
+               f"({statistics.median(user[(str(tree), v)]):.0f})" for v in variants]
         print(f"| {tree} | " + " | ".join(row) + " |")
     return 0
 
