@@ -22,14 +22,17 @@ same body. The tables are truncated before each measurement. The handlers' 2 ms
 
 Runs are interleaved (round by round: every tree, every variant), and the table shows the
 median CPU µs per request over ``--rounds``, user + system, and in parentheses user time
-alone (steadier from run to run: the system part is mostly the socket calls, whose cost
-varies with how requests batch up):
+alone (the rest is the kernel's: socket calls and wake-ups). On a shared 2-core machine one
+measurement varies by 10-30% from run to run, for the same code: compare medians of several
+rounds, and the variants of one tree with each other.
 
     .venv/bin/python bench/profile_asgi.py [--variants none,middleware,recipe]
         [--tree .] [--tree /path/to/baseline] [--requests 3000] [--concurrency 8]
         [--replay-share 0.3] [--rounds 5] [--delay] [--fast]
     .venv/bin/python bench/profile_asgi.py --profile [--variants recipe] [--sort tottime]
-        [--top 40]    # cProfile of one variant (default middleware; the first --tree)
+        [--top 40] [--pstats PATH]
+        # cProfile of one variant (default middleware; the first --tree); --pstats keeps
+        # the raw profile for pstats
 
 A baseline tree is any checkout with python/ and bench/http.py, for instance
 ``git archive <commit> python bench tests | tar -x -C /tmp/base``. Every answer must be a
