@@ -224,7 +224,12 @@ class IdempotencyMiddleware:
     def _holder_slots(self) -> anyio.Semaphore:
         # Made on first use, in the server's event loop; sized from the pool when it is known.
         if self._holders is None:
-            self._holders = anyio.Semaphore(max(1, self.pool.max_size - self.pool_reserve))
+            slots = max(1, self.pool.max_size - self.pool_reserve)
+            try:
+                # anyio 4.5+: a free slot is taken without a trip through the event loop
+                self._holders = anyio.Semaphore(slots, fast_acquire=True)
+            except TypeError:
+                self._holders = anyio.Semaphore(slots)
         return self._holders
 
     def _retry_after(self, left: timedelta | None) -> bytes:

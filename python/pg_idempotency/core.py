@@ -172,6 +172,19 @@ def _microseconds(text: str) -> int:
     return int(seconds.scaleb(6))
 
 
+def _delta(text: str) -> timedelta:
+    """``timedelta(microseconds=_microseconds(text))``; what extract(epoch ...)::text gives from
+    PostgreSQL 14 on, ``[-]digits.dddddd``, read with integer arithmetic (the same value; any
+    other spelling takes the Decimal path). OverflowError when out of range."""
+    whole, dot, frac = text.partition(".")
+    digits = whole[1:] if whole[:1] == "-" else whole
+    if (dot and len(frac) == 6 and frac.isdigit() and digits.isdigit()
+            and frac.isascii() and digits.isascii()):
+        delta = timedelta(0, int(digits), int(frac))
+        return -delta if digits is not whole else delta
+    return timedelta(microseconds=_microseconds(text))
+
+
 @overload
 def load_time(text: str) -> datetime: ...
 @overload
@@ -183,7 +196,7 @@ def load_time(text: str | None) -> datetime | None:
     if text is None:
         return None
     try:
-        return _EPOCH + timedelta(microseconds=_microseconds(text))
+        return _EPOCH + _delta(text)
     except OverflowError:
         raise psycopg.DataError("timestamp out of the range of datetime (years 1 to 9999): "
                                 f"{text} s since 1970") from None
@@ -199,7 +212,7 @@ def load_interval(text: str | None) -> timedelta | None:
     if text is None:
         return None
     try:
-        return timedelta(microseconds=_microseconds(text))
+        return _delta(text)
     except OverflowError:
         raise psycopg.DataError(f"interval out of the range of timedelta: {text} s") from None
 

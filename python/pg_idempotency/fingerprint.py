@@ -36,6 +36,8 @@ __all__ = ["InvalidArgument", "canonical_json", "derive_key", "describe_request"
 # them fails with 22003 "value overflows numeric format".
 _NUMERIC_MAX_INT_DIGITS = 131072
 _NUMERIC_MAX_DSCALE = 16383
+#: ints strictly between -this and this are far inside numeric's limits
+_PLAIN_INT = 10**18
 
 # What PostgreSQL's escape_json() writes for the characters it escapes.
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\f": "\\f", "\n": "\\n", "\r": "\\r",
@@ -66,9 +68,48 @@ def describe_request(method: str, path: str, query: str | None, content_type: st
     return described
 
 
+class _NotPlain(Exception):
+    """:func:`_loads_plain` cannot vouch for this text: :func:`loads` takes the full path."""
+
+
+def _plain_number(literal: str) -> Decimal:
+    # Without an exponent and this short, a number is within numeric's limits (at most 100
+    # digits either side of the point); anything else goes to the full path, which checks it.
+    if len(literal) > 100 or "e" in literal or "E" in literal:
+        raise _NotPlain
+    return Decimal(literal)
+
+
+def _loads_plain(text: str | bytes) -> Any:
+    """:func:`loads` for the common text: no ``\\u`` escape and no NUL in it (so no string can
+    hold U+0000 or an unpaired surrogate, the only strings jsonb refuses), valid Unicode, and
+    numbers short and without an exponent. Same value as the full path; raises for anything
+    else (the full path then decides, and reports the first problem in text order)."""
+    src = text.decode("utf-8") if type(text) is bytes else text
+    if type(src) is not str or "\\u" in src or "\x00" in src:
+        raise _NotPlain
+    if type(text) is str:
+        src.encode("utf-8")  # a str may hold surrogates itself: UnicodeEncodeError
+    return json.loads(text, parse_float=_plain_number, parse_int=_plain_number,
+                      parse_constant=_refuse_constant)
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _NotPlain
+
+
 def loads(text: str | bytes) -> Any:
     """Parse JSON text as ``jsonb`` would: numbers as exact ``Decimal``, the last of duplicate
     keys wins; NaN/Infinity, ``\\u0000`` and unpaired surrogates are refused (ValueError)."""
+    try:
+        return _loads_plain(text)
+    except Exception:  # noqa: BLE001 - whatever it was, the full path below says it right
+        pass
+    return _loads_checked(text)
+
+
+def _loads_checked(text: str | bytes) -> Any:
+    """:func:`loads`, every string and number checked, the first bad one in text order."""
 
     def no_constant(name: str) -> Any:
         raise ValueError(f"invalid JSON: {name} is not a JSON value")
@@ -232,6 +273,8 @@ def _check_value(value: Any, fn: str, argument: str) -> None:
 
 def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
     """trim_scale(value::numeric)::text."""
+    if type(value) is int and -_PLAIN_INT < value < _PLAIN_INT:
+        return str(value)  # what the Decimal path below gives for an int this small
     if isinstance(value, float):
         if not math.isfinite(value):
             raise invalid_argument(fn, argument, "22P02", f"contains {value!r}, not a JSON number")
@@ -257,6 +300,9 @@ def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
 
 
 def _string(s: str, fn: str, argument: str) -> str:
+    if s.isascii() and s.isprintable() and '"' not in s and "\\" not in s:
+        # U+0020..U+007E only: nothing to check (no NUL, no surrogate), nothing to escape
+        return '"' + s + '"'
     _check_string(s, fn, argument)
     return '"' + s.translate(_ESCAPE_TABLE) + '"'
 
@@ -267,6 +313,19 @@ MAX_DEPTH = 128
 
 
 def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
+    kind = type(value)
+    if kind is str:
+        return _string(value, fn, argument)
+    if kind is dict and depth <= MAX_DEPTH:
+        # the common case first: a dict with string keys, not too deep (as for a Mapping below)
+        for k in value:
+            if type(k) is not str:
+                break
+        else:
+            return "{" + ",".join(
+                _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
+                for k in sorted(value)
+            ) + "}"
     if value is None:
         return "null"
     if value is True:
