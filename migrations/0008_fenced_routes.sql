@@ -174,6 +174,7 @@ DECLARE
     v_fn text;
     v_branches text;
     v_source text;
+    v_proc text;
     v_signature regprocedure;
     v_changed boolean := false;
 BEGIN
@@ -209,10 +210,12 @@ BEGIN
             'DECLARE\n    v_done %s;\nBEGIN%s%s\n    RETURN v_done;\nEND;\n',
             v_routes[i][3], v_branches,
             replace(replace(v_routes[i][4], '@fn@', v_fn), '@table@', 'idempotency.keys'));
-        v_signature := to_regprocedure(format(
+        -- 'idempotency.name(text, bigint, ...)': the parameters' types, for to_regprocedure.
+        v_proc := format(
             'idempotency.%s(%s)', v_fn,
             (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
-             FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n))));
+             FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n)));
+        v_signature := to_regprocedure(v_proc);
         IF v_signature IS NULL
            OR v_source IS DISTINCT FROM (SELECT p.prosrc FROM pg_proc AS p
                                          WHERE p.oid = v_signature) THEN
@@ -225,10 +228,7 @@ BEGIN
                 -- VOLATILE: each statement takes its own snapshot, after the caller's locks.
                 VOLATILE
                 AS %L$ddl$, v_fn, v_routes[i][2], v_routes[i][3], v_source);
-            v_signature := to_regprocedure(format(
-                'idempotency.%s(%s)', v_fn,
-                (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
-                 FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n))));
+            v_signature := to_regprocedure(v_proc);
             -- CREATE OR REPLACE keeps the privileges of a function that existed; a new one
             -- would be executable by PUBLIC.
             EXECUTE format('REVOKE ALL ON FUNCTION %s FROM public', v_signature);

@@ -67,6 +67,33 @@ def route_source(conn: psycopg.Connection[Any], name: str) -> str:
                         "AND pronamespace = 'idempotency'::regnamespace", (name,)).fetchone()[0]
 
 
+def sqlstate_after_drop(waiter: psycopg.Connection[Any], dropper: psycopg.Connection[Any],
+                        victim: str, sql: str, params: tuple[Any, ...]) -> dict[str, Any]:
+    """Run ``sql`` on ``waiter`` while ``dropper`` holds an uncommitted DROP of ``victim``; once
+    it waits for the DROP's lock, commit the DROP. What the call ended with."""
+    dropper.execute("BEGIN")
+    dropper.execute(f"DROP TABLE idempotency.{victim}")
+    outcome: dict[str, Any] = {}
+
+    def call() -> None:
+        try:
+            waiter.execute(sql, params)
+            outcome["ok"] = True
+        except psycopg.Error as exc:
+            outcome["sqlstate"] = exc.sqlstate
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not dropper.execute(
+            "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:
+        time.sleep(0.02)
+    assert thread.is_alive(), outcome  # it waited for the DROP
+    dropper.execute("COMMIT")
+    thread.join(10)
+    return outcome
+
+
 def test_routes_follow_the_partitions_and_change_only_when_they_do(db: str) -> None:
     with psycopg.connect(db, autocommit=True) as conn:
         parts = partitions(conn)
@@ -237,27 +264,8 @@ def test_a_fenced_call_waiting_for_a_partition_drop(db: str, name: str) -> None:
         wtok = waiter.execute("SELECT lease_token FROM idempotency.claim('d', 'w', '{}')"
                               ).fetchone()[0]
         assert waiter.execute(FENCED[name], ("d", "w", wtok)).fetchone()[0] is True
-        dropper.execute("BEGIN")
-        dropper.execute(f"DROP TABLE idempotency.{victim}")
-        outcome: dict[str, Any] = {}
-
-        def call() -> None:
-            try:
-                waiter.execute(FENCED[name], ("d", "a", tok))
-                outcome["ok"] = True
-            except psycopg.Error as exc:
-                outcome["sqlstate"] = exc.sqlstate
-
-        thread = threading.Thread(target=call)
-        thread.start()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not dropper.execute(
-                "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:
-            time.sleep(0.02)
-        assert thread.is_alive(), outcome
-        dropper.execute("COMMIT")
-        thread.join(10)
-        assert outcome == {"sqlstate": "IK003"}
+        assert sqlstate_after_drop(waiter, dropper, victim, FENCED[name], ("d", "a", tok)) == {
+            "sqlstate": "IK003"}
 
 
 def test_a_key_in_a_partition_made_behind_the_routes_back(db: str) -> None:
@@ -311,28 +319,10 @@ def test_a_partition_dropped_behind_the_routes_back(db: str) -> None:
             wtok = waiter.execute("SELECT lease_token FROM idempotency.claim('d', 'w', '{}')"
                                   ).fetchone()[0]
             waiter.execute("SELECT idempotency.complete('d', 'w', %s, 201, '{}')", (wtok,))
-            dropper.execute("BEGIN")
-            dropper.execute(f"DROP TABLE idempotency.{victim}")
-            outcome: dict[str, Any] = {}
-
-            def finish() -> None:
-                try:
-                    waiter.execute("SELECT idempotency.complete('d', 'a', %s, 201, '{}')",
-                                   (toks["a"],))
-                    outcome["ok"] = True
-                except psycopg.Error as exc:
-                    outcome["sqlstate"] = exc.sqlstate
-
-            thread = threading.Thread(target=finish)
-            thread.start()
-            deadline = time.monotonic() + 10
-            while time.monotonic() < deadline and not dropper.execute(
-                    "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:
-                time.sleep(0.02)
-            assert thread.is_alive(), outcome
-            dropper.execute("COMMIT")
-            thread.join(10)
-            assert outcome == {"sqlstate": "IK003"}
+            assert sqlstate_after_drop(
+                waiter, dropper, victim,
+                "SELECT idempotency.complete('d', 'a', %s, 201, '{}')", (toks["a"],)) == {
+                "sqlstate": "IK003"}
         assert victim in route_source(conn, "_complete_row")  # nobody regenerated them
 
         with pytest.raises(psycopg.Error) as info:
