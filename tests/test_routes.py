@@ -62,6 +62,13 @@ def add_past_days(conn: psycopg.Connection[Any], days: int) -> None:
             f"{MIDNIGHT} - (%s - 1) * interval '1 day')", (i, i)).fetchone()[0] is True
 
 
+def today_partition(conn: psycopg.Connection[Any]) -> str:
+    return conn.execute(
+        "SELECT partition_name FROM idempotency._partitions('keys') "
+        "WHERE clock_timestamp() >= lower_bound AND clock_timestamp() < upper_bound"
+    ).fetchone()[0]
+
+
 def route_source(conn: psycopg.Connection[Any], name: str) -> str:
     return conn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s "
                         "AND pronamespace = 'idempotency'::regnamespace", (name,)).fetchone()[0]
@@ -132,10 +139,7 @@ def test_claim_and_complete_lock_only_the_keys_partition(db: str, options: str) 
     with psycopg.connect(db, autocommit=True) as conn:
         add_past_days(conn, 26)
         assert len(partitions(conn)) >= 30
-        today = conn.execute(
-            "SELECT partition_name FROM idempotency._partitions('keys') "
-            "WHERE clock_timestamp() >= lower_bound AND clock_timestamp() < upper_bound"
-        ).fetchone()[0]
+        today = today_partition(conn)
     with psycopg.connect(db, options=options) as conn:  # not autocommit: locks stay visible
         row = conn.execute("SELECT outcome, lease_token FROM idempotency.claim('r', 'k1', %s)",
                            (Jsonb({"a": 1}),)).fetchone()
@@ -168,10 +172,7 @@ def test_fenced_calls_lock_only_the_keys_partition(db: str, options: str) -> Non
     with 30 of them, and do what they did on the parent."""
     with psycopg.connect(db, autocommit=True) as conn:
         add_past_days(conn, 26)
-        today = conn.execute(
-            "SELECT partition_name FROM idempotency._partitions('keys') "
-            "WHERE clock_timestamp() >= lower_bound AND clock_timestamp() < upper_bound"
-        ).fetchone()[0]
+        today = today_partition(conn)
     state = ("SELECT state, recovery_point, response_status, "
              "lease_expires_at > clock_timestamp() + interval '50 minutes' "
              "FROM idempotency.keys WHERE scope = 'f' AND key = 'k'")
@@ -211,10 +212,7 @@ def test_resume_and_takeover_lock_only_the_keys_partition(db: str) -> None:
     partition of keys with 30 of them, and fences the old token out."""
     with psycopg.connect(db, autocommit=True) as conn:
         add_past_days(conn, 26)
-        today = conn.execute(
-            "SELECT partition_name FROM idempotency._partitions('keys') "
-            "WHERE clock_timestamp() >= lower_bound AND clock_timestamp() < upper_bound"
-        ).fetchone()[0]
+        today = today_partition(conn)
         first = conn.execute("SELECT lease_token FROM idempotency.claim('t', 'k', '{}', "
                              "lease => '1 second')").fetchone()[0]
         conn.execute("SELECT idempotency.checkpoint('t', 'k', %s, 'charged')", (first,))
