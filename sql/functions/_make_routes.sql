@@ -51,7 +51,7 @@ DECLARE
         FROM @table@ AS k
         WHERE k.scope = @fn@.scope AND k.key = @fn@.key
           AND k.created_at = @fn@.created_at;$sql$,
-         'claim()''s read of the key''s row'],
+         'claim()''s and takeover()''s read of the key''s row'],
         ['_complete_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
          || 'headers jsonb, body jsonb, body_bytes bytea, content_type text, '
