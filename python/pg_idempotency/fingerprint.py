@@ -312,6 +312,14 @@ def _string(s: str, fn: str, argument: str) -> str:
 MAX_DEPTH = 128
 
 
+def _object(value: Mapping[str, Any], fn: str, argument: str, depth: int) -> str:
+    """An object whose keys are known to be strings: members sorted by key, no whitespace."""
+    return "{" + ",".join(
+        _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
+        for k in sorted(value)
+    ) + "}"
+
+
 def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
     kind = type(value)
     if kind is str:
@@ -322,10 +330,7 @@ def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
             if type(k) is not str:
                 break
         else:
-            return "{" + ",".join(
-                _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
-                for k in sorted(value)
-            ) + "}"
+            return _object(value, fn, argument, depth)
     if value is None:
         return "null"
     if value is True:
@@ -344,10 +349,7 @@ def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
             if not isinstance(k, str):
                 raise invalid_argument(fn, argument, "22P02",
                                       f"has an object key {k!r} that is not a string")
-        return "{" + ",".join(
-            _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
-            for k in sorted(value)
-        ) + "}"
+        return _object(value, fn, argument, depth)
     if isinstance(value, (list, tuple)):
         return "[" + ",".join(_canonical(v, fn, argument, depth + 1) for v in value) + "]"
     raise invalid_argument(fn, argument, "22P02",
