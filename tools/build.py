@@ -39,7 +39,7 @@ EXTENSION = "pg_idempotency"
 # The extension version each migration brings the schema to: CREATE EXTENSION installs the
 # last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later migration.
 VERSIONS = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0", 4: "0.4.0", 5: "0.5.0", 6: "0.6.0", 7: "0.7.0",
-            8: "0.8.0"}
+            8: "0.8.0", 9: "0.9.0"}
 VERSION = VERSIONS[max(VERSIONS)]
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
 # keys (until maintenance moves them out), the sequence's position is what keeps fencing
@@ -53,6 +53,11 @@ CONFIG_DUMP = {
         "idempotency.settings"],
     2: ["idempotency.tombstones_default"],
     5: ["idempotency.key_directory_default"],
+    9: ["idempotency.key_directory"],
+}
+# Per migration: what it drops of the tables above (a full script must not mark them).
+CONFIG_DROPPED = {
+    9: ["idempotency.lease_token_seq", "idempotency.key_directory_default"],
 }
 EXTENSION_PROLOGUE = (
     "-- Tells sql/bootstrap.sql that it runs inside CREATE EXTENSION (see there).\n"
@@ -173,8 +178,9 @@ def extension_script(paths: list[Path], numbers: list[int], command: str) -> str
     for path in paths:
         script.append(f"-- {path.relative_to(ROOT)}\n{path.read_text()}")
     epilogue = ["", "-- Dumped with the data, not re-created empty, by pg_dump and pg_restore."]
+    dropped = {table for n in numbers for table in CONFIG_DROPPED.get(n, [])}
     epilogue += [f"SELECT pg_catalog.pg_extension_config_dump('{table}', '');"
-                 for n in numbers for table in CONFIG_DUMP.get(n, [])]
+                 for n in numbers for table in CONFIG_DUMP.get(n, []) if table not in dropped]
     epilogue.append("SELECT pg_catalog.set_config('idempotency.creating_extension', 'off', true);")
     script.append("\n".join(epilogue) + "\n")
     return "\n".join(script)

@@ -50,44 +50,51 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     reference_time => %(reference_time)s::timestamptz)
 """
 
-# The functions that return a timestamptz: as its epoch, like _seconds.
+# The functions that return a timestamptz: as its epoch, like _seconds. The call stands in FROM,
+# not inside extract(): Citus delegates "SELECT ... FROM f(...)" (and "SELECT f(...)") to the
+# node that holds the scope's shard, but not a call nested in an expression.
 CHECKPOINT: Final = """
-SELECT extract(epoch FROM idempotency.checkpoint(
+SELECT extract(epoch FROM r)::text AS lease_expires_at
+FROM idempotency.checkpoint(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     recovery_point => %(recovery_point)s::text, extend => %(extend)s::interval,
-    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at
+    reference_time => %(reference_time)s::timestamptz) AS r
 """
 
 HEARTBEAT: Final = """
-SELECT extract(epoch FROM idempotency.heartbeat(
+SELECT extract(epoch FROM r)::text AS lease_expires_at
+FROM idempotency.heartbeat(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     lease => %(lease)s::interval,
-    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at
+    reference_time => %(reference_time)s::timestamptz) AS r
 """
 
 COMPLETE: Final = """
-SELECT extract(epoch FROM idempotency.complete(
+SELECT extract(epoch FROM r)::text AS completed_at
+FROM idempotency.complete(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
-    reference_time => %(reference_time)s::timestamptz))::text AS completed_at
+    reference_time => %(reference_time)s::timestamptz) AS r
 """
 
 COMPLETE_BYTES: Final = """
-SELECT extract(epoch FROM idempotency.complete_bytes(
+SELECT extract(epoch FROM r)::text AS completed_at
+FROM idempotency.complete_bytes(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::bytea,
     content_type => %(content_type)s::text, headers => %(headers)s::jsonb,
-    reference_time => %(reference_time)s::timestamptz))::text AS completed_at
+    reference_time => %(reference_time)s::timestamptz) AS r
 """
 
 ACCEPT: Final = """
-SELECT extract(epoch FROM idempotency.accept(
+SELECT extract(epoch FROM r)::text AS lease_expires_at,
+    -- the body as jsonb stores it (key order, numbers): what a replay of it will send
+    %(body)s::jsonb::text AS body
+FROM idempotency.accept(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
     status => %(status)s::integer, body => %(body)s::jsonb, headers => %(headers)s::jsonb,
     lease => %(lease)s::interval,
-    reference_time => %(reference_time)s::timestamptz))::text AS lease_expires_at,
-    -- the body as jsonb stores it (key order, numbers): what a replay of it will send
-    %(body)s::jsonb::text AS body
+    reference_time => %(reference_time)s::timestamptz) AS r
 """
 
 RELEASE: Final = """

@@ -1,4 +1,4 @@
--- Creates one partition of idempotency.keys, inbox, tombstones or key_directory, unless it
+-- Creates one partition of idempotency.keys, inbox or tombstones, unless it
 -- exists. Returns true when it made one. A range that overlaps an existing partition (say, one
 -- pg_partman made) or rows already in the default partition is left alone and reported as not
 -- created.
@@ -20,10 +20,10 @@ DECLARE
         _create_partition.upper_bound - _create_partition.lower_bound);
     v_oid oid;
 BEGIN
-    IF _create_partition.parent NOT IN ('keys', 'inbox', 'tombstones', 'key_directory') THEN
+    IF _create_partition.parent NOT IN ('keys', 'inbox', 'tombstones') THEN
         RAISE EXCEPTION USING
             MESSAGE = format('idempotency._create_partition: argument "parent" must be keys, '
-                             'inbox, tombstones or key_directory, not %s',
+                             'inbox or tombstones, not %s',
                              to_json(_create_partition.parent)),
             ERRCODE = 'IK014', COLUMN = 'parent';
     END IF;
@@ -71,6 +71,6 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency._create_partition(text, timestamptz, timestamptz) IS
-'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys, inbox,
-tombstones or key_directory; false when it exists, overlaps another one, or rows for it are in
+'Internal: create the partition [lower_bound, upper_bound) of idempotency.keys, inbox or
+tombstones; false when it exists, overlaps another one, or rows for it are in
 the default partition.';

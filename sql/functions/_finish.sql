@@ -40,10 +40,6 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
-    -- Joined for its lock only (ONLY: the parent, not its partitions; it has no rows): the
-    -- parent is locked before _complete_row tests that its partition still exists, and a DROP
-    -- of a partition locks the parent exclusively (see _make_routes).
-    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = _finish.scope AND d.key_hash = sha256(convert_to(_finish.key, 'UTF8'));
 
     -- The fenced UPDATE, on the one partition created_at names (see _make_routes).

@@ -1,6 +1,12 @@
--- Called when a fenced write (checkpoint, heartbeat, complete, release) matched no row: finds
--- out why and raises the documented error. Raising, not returning false, is the point: the
--- caller's business writes in the same transaction must roll back with it.
+-- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
+-- raises the documented error. Raising, not returning false, is the point: the caller's
+-- business writes in the same transaction must roll back with it.
+--
+-- No oracle: unless the caller's token is the key's own, the answer is IK001 with the same text
+-- whether the key is in progress under another token, completed, released or absent. So a
+-- caller that knows (or guesses) another scope's key learns nothing about it from a wrong
+-- token (before 0.9.0, IK003 / IK001 / IK004 told absent, in progress and completed apart).
+-- Only the owner, whose token matches, is told that its key is already completed (IK004).
 CREATE FUNCTION idempotency._lease_error(
     fn text, scope text, key text, lease_token bigint
 )
@@ -12,46 +18,36 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_state text;
-    v_token bigint;
     v_created_at timestamptz;
 BEGIN
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
     WHERE d.scope = _lease_error.scope
       AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
-    SELECT k.state, k.lease_token INTO v_state, v_token
+    PERFORM
     FROM idempotency.keys AS k
     WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key
-      AND k.created_at = v_created_at;
-
-    IF NOT FOUND THEN
-        RAISE EXCEPTION USING
-            MESSAGE = format('%s: key %s in scope %s does not exist', _lease_error.fn,
-                             to_json(_lease_error.key), to_json(_lease_error.scope)),
-            ERRCODE = 'IK003',
-            DETAIL = 'It was never claimed, was released, or is past retention.',
-            HINT = 'Claim the key again with idempotency.claim().';
-    ELSIF v_state = 'completed' THEN
+      AND k.created_at = v_created_at AND k.lease_token = _lease_error.lease_token
+      AND k.state = 'completed';
+    IF FOUND THEN
         RAISE EXCEPTION USING
             MESSAGE = format('%s: key %s in scope %s is already completed', _lease_error.fn,
                              to_json(_lease_error.key), to_json(_lease_error.scope)),
             ERRCODE = 'IK004',
-            DETAIL = CASE WHEN v_token = _lease_error.lease_token
-                THEN 'It was completed with this lease token.'
-                ELSE 'It was completed by another lease holder.' END,
+            DETAIL = 'It was completed with this lease token.',
             HINT = 'Roll back; a retry will replay the stored response.';
-    ELSE
-        RAISE EXCEPTION USING
-            MESSAGE = format('%s: lease token %s is no longer current for key %s in scope %s',
-                             _lease_error.fn, _lease_error.lease_token,
-                             to_json(_lease_error.key), to_json(_lease_error.scope)),
-            ERRCODE = 'IK001',
-            DETAIL = 'The lease expired and was taken over by a newer attempt.',
-            HINT = 'Roll back: the newer lease holder owns the key now.';
     END IF;
+    RAISE EXCEPTION USING
+        MESSAGE = format('%s: lease token %s is not the current one for key %s in scope %s',
+                         _lease_error.fn, _lease_error.lease_token,
+                         to_json(_lease_error.key), to_json(_lease_error.scope)),
+        ERRCODE = 'IK001',
+        DETAIL = 'The lease was lost (taken over after it expired, or released), or the key or '
+                 'the token is not one this caller was given.',
+        HINT = 'Roll back: whoever holds the current token owns the key.';
 END;
 $$;
 
 COMMENT ON FUNCTION idempotency._lease_error(text, text, text, bigint) IS
-'Internal: raise IK001, IK003 or IK004 for a fenced write that matched no row.';
+'Internal: raise IK004 (completed with this token) or IK001 (any other case, the same for every
+key state) for a fenced write that matched no row.';

@@ -4,7 +4,7 @@
 --   _key_row(scope, key, created_at)         the key's row (claim's replay/in-progress/mismatch)
 --   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
 --   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
---   _accept_row, _release_row                accept() and the DELETE of release()
+--   _accept_row, _release_row                accept() and release()
 --   _resume_row                              the takeover of an expired lease (claim, takeover)
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
@@ -19,10 +19,9 @@
 --   through the statement on the parent, which is always there last;
 -- - a branch whose partition is gone (dropped by pg_partman, or by maintain() in a transaction
 --   that committed after the caller compiled the function) is skipped by its to_regclass()
---   test. The callers hold a lock on the parent idempotency.keys from before that test (claim's
---   first statement inserts through it; _finish reads the directory joined with ONLY keys), and
---   every DROP or DETACH of a partition locks the parent exclusively, so the test cannot pass
---   for a partition dropped before the branch's statement runs;
+--   test. The generated function locks the parent idempotency.keys before that test, and every
+--   DROP or DETACH of a partition locks the parent exclusively, so the test cannot pass for a
+--   partition dropped before the branch's statement runs;
 -- - a branch that finds no row falls through to the parent, so a row in a partition the branch
 --   did not expect (or the default partition) is still found. Only failures pay for that.
 --
@@ -114,18 +113,25 @@ DECLARE
         ['_release_row',
          'scope text, key text, lease_token bigint, created_at timestamptz',
          'boolean', $sql$
-        DELETE FROM @table@ AS k
+        UPDATE @table@ AS k
+        SET state = 'released',
+            lease_expires_at = NULL,
+            response_status = NULL,
+            response_headers = NULL,
+            response_body = NULL,
+            response_body_bytes = NULL,
+            response_content_type = NULL
         WHERE k.scope = @fn@.scope AND k.key = @fn@.key
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING true INTO v_done;$sql$,
-         'release()''s fenced DELETE'],
+         'release()''s fenced UPDATE'],
         ['_resume_row',
          'scope text, key text, created_at timestamptz, lease_token bigint, '
-         || 'lease_expires_at timestamptz, reference_time timestamptz',
+         || 'new_token bigint, lease_expires_at timestamptz, reference_time timestamptz',
          'idempotency.claim_result', $sql$
         UPDATE @table@ AS k
-        SET lease_token = nextval('idempotency.lease_token_seq'),
+        SET lease_token = @fn@.new_token,
             lease_expires_at = @fn@.lease_expires_at,
             attempts = k.attempts + 1
         WHERE k.scope = @fn@.scope AND k.key = @fn@.key
@@ -150,14 +156,18 @@ DECLARE
     v_changed boolean := false;
 BEGIN
     -- The partitions, read once for every route. Newest first: most calls concern keys claimed
-    -- moments ago (the partitions made ahead come first, but they are only a few).
+    -- moments ago (the partitions made ahead come first, but they are only a few). None on
+    -- Citus (idempotency.distribute): there each statement goes to the scope's shard of the
+    -- parent, and the worker prunes its partitions; a branch per partition would only add a
+    -- lock statement and tests to every call.
     SELECT coalesce(array_agg(format('idempotency.%I', p.partition_name)
                               ORDER BY p.lower_bound DESC), '{}'),
            array_agg(p.lower_bound ORDER BY p.lower_bound DESC),
            array_agg(p.upper_bound ORDER BY p.lower_bound DESC)
     INTO v_names, v_lowers, v_uppers
     FROM idempotency._partitions('keys') AS p
-    WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL;
+    WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
+      AND NOT idempotency._distributed();
 
     FOR i IN 1 .. array_length(v_routes, 1) LOOP
         v_fn := v_routes[i][1];
@@ -177,6 +187,14 @@ BEGIN
         IF v_branches <> '' THEN
             v_branches := v_branches
                 || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+        END IF;
+        IF v_branches <> '' THEN
+            -- The lock on the parent comes before the branches' to_regclass tests: a DROP or
+            -- DETACH of a partition locks the parent exclusively, so no test can pass for a
+            -- partition that is gone before its statement runs. (Relations in a query are
+            -- locked when its plan is, WHERE false or not.)
+            v_branches := E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;'
+                          || v_branches;
         END IF;
         v_source := format(
             E'\n-- Generated by idempotency._make_routes(): do not edit.\n'

@@ -1,4 +1,4 @@
--- The partitions of idempotency.keys, inbox, tombstones or key_directory with their bounds,
+-- The partitions of idempotency.keys, inbox or tombstones with their bounds,
 -- read back from the catalog rather than from their names: partitions made by pg_partman, or
 -- under an earlier partition_interval, are seen exactly as the ones maintain() made. Bounds
 -- PostgreSQL prints as MINVALUE/MAXVALUE are returned as NULL, and maintain() never touches such
@@ -35,5 +35,5 @@ AS $$
 $$;
 
 COMMENT ON FUNCTION idempotency._partitions(text) IS
-'Internal: partitions of idempotency.<parent> (keys, inbox, tombstones or key_directory) with
+'Internal: partitions of idempotency.<parent> (keys, inbox or tombstones) with
 their range bounds, oldest first; is_default marks the default partition.';

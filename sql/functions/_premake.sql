@@ -29,15 +29,10 @@ BEGIN
             END IF;
         END LOOP;
     END LOOP;
-    -- The directory's partitions follow their own, wider window.
-    v_created := v_created + (
-        SELECT count(*)::integer FROM idempotency._make_directory_partitions(
-            v_settings, _premake.reference_time) AS a
-        WHERE a.action = 'created');
     RETURN v_created;
 END;
 $$;
 
 COMMENT ON FUNCTION idempotency._premake(timestamptz) IS
 'Internal: create the current and the next settings.premake partitions of idempotency.keys and
-idempotency.inbox, and those of idempotency.key_directory; returns how many it created.';
+idempotency.inbox; returns how many it created.';

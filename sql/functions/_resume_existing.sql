@@ -52,11 +52,12 @@ BEGIN
 
     -- Take over: a compare-and-set on the token we read. Under READ COMMITTED a concurrent
     -- heartbeat, complete or release makes the re-checked WHERE fail, and we report NULL. On
-    -- the one partition created_at names (see _make_routes); the caller holds a lock on the
-    -- parent keys (claim inserted through it; takeover reads the directory joined with it).
+    -- the one partition created_at names (see _make_routes).
     v_result := idempotency._resume_row(
         (_resume_existing.existing).scope, (_resume_existing.existing).key,
         (_resume_existing.existing).created_at, (_resume_existing.existing).lease_token,
+        -- Computed here, not in the UPDATE: Citus refuses volatile functions there.
+        idempotency._new_token((_resume_existing.existing).lease_token),
         _resume_existing.reference_time + _resume_existing.lease,
         _resume_existing.reference_time);
     IF v_result.outcome IS NULL THEN

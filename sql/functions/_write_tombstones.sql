@@ -20,10 +20,11 @@ BEGIN
     EXECUTE format(
         'INSERT INTO idempotency.tombstones AS t (scope, key_hash, fingerprint, final_state, '
         '    response_status, created_at, expires_at) '
-        'SELECT k.scope, sha256(convert_to(k.key, ''UTF8'')), '
+        'SELECT k.scope, idempotency._key_hash(k.key), '
         '    k.fingerprint, k.state, k.response_status, k.created_at, k.created_at + $1 '
         'FROM idempotency.%I AS k '
-        'WHERE k.created_at < $2 '
+        -- A released key stands for no effect: its retry must run, not answer expired.
+        'WHERE k.created_at < $2 AND k.state <> ''released'' '
         '  AND k.created_at + $1 > $3 '
         'ON CONFLICT (scope, key_hash, created_at) DO UPDATE '
         'SET final_state = excluded.final_state, response_status = excluded.response_status, '

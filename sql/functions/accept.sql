@@ -50,9 +50,6 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
-    -- Joined for its lock only, as in _finish: the parent is locked before the route's
-    -- to_regclass test (see _make_routes).
-    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
 
     -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL

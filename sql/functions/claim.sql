@@ -1,5 +1,6 @@
 -- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
--- retries see the claim at once; its advisory lock lasts until that transaction ends.
+-- retries see the claim at once: a concurrent claim of the same key waits until this
+-- transaction ends (see sql/tables/key_directory.sql).
 --
 -- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
 -- lease expired; you own it under a higher token and should reconcile from recovery_point),
@@ -34,6 +35,7 @@ DECLARE
     v_created_at timestamptz;
     v_fingerprint bytea;
     v_existing idempotency.keys;
+    v_previous bigint;
     v_result idempotency.claim_result;
 BEGIN
     -- One inlined test for the common case; the _check_* calls say what is wrong.
@@ -72,33 +74,26 @@ BEGIN
         PERFORM idempotency._require_read_committed('idempotency.claim');
     END IF;
 
-    PERFORM idempotency._lock_name(1, claim.scope, claim.key);
-    -- From here on each statement reads with a snapshot taken after the lock, so it sees every
-    -- claim of this key that committed before us. Lookups go through idempotency.key_directory
-    -- (a few wide partitions, no time bound), and then touch the one partition of keys or
-    -- tombstones its created_at names: no clock, given or real, decides what is searched.
+    -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
+    -- below either makes this claim the key's one owner, or waits for a concurrent claim of the
+    -- same key to end and then does nothing. Each later statement takes a snapshot after that,
+    -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
+    -- on the node that holds the scope's shard, however the call arrived.
     FOR attempt IN 1 .. 5 LOOP
-        -- A new key (the common case) costs one statement: its directory row and its key row.
-        WITH d AS (
-            INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
-            SELECT claim.scope, v_key_hash, v_now
-            WHERE NOT EXISTS (
-                SELECT FROM idempotency.key_directory AS e
-                WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
-            )
-            RETURNING d.created_at
-        )
-        INSERT INTO idempotency.keys AS k (
-            scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
-        )
-        SELECT claim.scope, claim.key, v_fingerprint, 'in_progress',
-               nextval('idempotency.lease_token_seq'), v_now + claim.lease, d.created_at
-        FROM d
-        RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
-                  NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
-                  NULL::interval, k.created_at, NULL::timestamptz
-        INTO v_result;
+        INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+        VALUES (claim.scope, v_key_hash, v_now)
+        ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
         IF FOUND THEN
+            -- A new key: its row, in the partition v_now names.
+            INSERT INTO idempotency.keys AS k (
+                scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+            )
+            VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+                    idempotency._new_token(NULL), v_now + claim.lease, v_now)
+            RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+                      NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                      NULL::interval, k.created_at, NULL::timestamptz
+            INTO v_result;
             RETURN v_result;
         END IF;
 
@@ -106,15 +101,16 @@ BEGIN
         FROM idempotency.key_directory AS e
         WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
         IF NOT FOUND THEN
-            -- Released (or dropped) since the insert looked: insert again.
+            -- Dropped (maintain) since the insert looked: insert again.
             CONTINUE;
         END IF;
         -- The row in the one partition created_at names, by a static statement on that
-        -- partition (see _make_routes); the insert above already locked the parent.
+        -- partition (see _make_routes).
         v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
         IF v_existing.scope IS NULL THEN
-            -- The key's row is gone (maintain() dropped it after its retention): a tombstone
-            -- answers expired (settings.tombstones); without one the key is new again.
+            -- The key's row is gone (its partition was dropped after its retention): a
+            -- tombstone answers expired (settings.tombstones); without one the key is new
+            -- again, and the directory row (still the arbiter) is pointed at the new one.
             SELECT 'expired', t.response_status, t.created_at
             INTO v_result.outcome, v_result.response_status, v_result.created_at
             FROM idempotency.tombstones AS t
@@ -123,10 +119,40 @@ BEGIN
             IF FOUND THEN
                 RETURN v_result;
             END IF;
-            DELETE FROM idempotency.key_directory AS e
+            v_previous := NULL;
+        ELSIF v_existing.state = 'released' THEN
+            -- Released by its owner after a failure with no side effect: the key is new again
+            -- (even for another request), and its next owner's token must still be greater
+            -- than the released owner's (see _new_token). The released row goes, compared and
+            -- set on its token so that only one of two concurrent claims takes it.
+            DELETE FROM idempotency.keys AS k
+            WHERE k.scope = claim.scope AND k.key = claim.key AND k.created_at = v_created_at
+              AND k.state = 'released' AND k.lease_token = v_existing.lease_token;
+            IF NOT FOUND THEN
+                CONTINUE;
+            END IF;
+            v_previous := v_existing.lease_token;
+        END IF;
+        IF v_existing.scope IS NULL OR v_existing.state = 'released' THEN
+            -- The directory row moves to the new row, compared on the created_at read above;
+            -- a concurrent claim that moved it first makes this one look again.
+            UPDATE idempotency.key_directory AS e
+            SET created_at = v_now
             WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
               AND e.created_at = v_created_at;
-            CONTINUE;
+            IF NOT FOUND THEN
+                CONTINUE;
+            END IF;
+            INSERT INTO idempotency.keys AS k (
+                scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+            )
+            VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+                    idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+            RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+                      NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                      NULL::interval, k.created_at, NULL::timestamptz
+            INTO v_result;
+            RETURN v_result;
         END IF;
 
         IF v_existing.fingerprint <> v_fingerprint THEN

@@ -3,10 +3,16 @@
 -- so run it on demand, not on every scrape of a busy system.
 CREATE FUNCTION idempotency.key_status(reference_time timestamptz DEFAULT NULL)
 RETURNS SETOF idempotency.key_status
-LANGUAGE sql
+-- PL/pgSQL, not SQL: Citus cannot plan a SQL function's parameterised query (its planner sees
+-- the parameters unresolved).
+LANGUAGE plpgsql
 VOLATILE
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
+BEGIN
+    RETURN QUERY
     SELECT k.scope,
            k.state,
            count(*),
@@ -14,20 +20,21 @@ AS $$
            (array_agg(k.key ORDER BY k.created_at) FILTER (WHERE k.state = 'in_progress'))[1],
            count(*) FILTER (
                WHERE k.state = 'in_progress'
-                 AND k.lease_expires_at <= coalesce(reference_time, clock_timestamp())
+                 AND k.lease_expires_at <= v_now
            ),
            min(k.lease_expires_at) FILTER (
                WHERE k.state = 'in_progress'
-                 AND k.lease_expires_at <= coalesce(reference_time, clock_timestamp())
+                 AND k.lease_expires_at <= v_now
            )
     FROM idempotency.keys AS k
     GROUP BY k.scope, k.state
     UNION ALL
     SELECT t.scope, 'tombstone', count(*), min(t.created_at), NULL, NULL, NULL
     FROM idempotency.tombstones AS t
-    WHERE t.expires_at > coalesce(reference_time, clock_timestamp())
+    WHERE t.expires_at > v_now
     GROUP BY t.scope
-    ORDER BY 1, 2
+    ORDER BY 1, 2;
+END;
 $$;
 
 COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS

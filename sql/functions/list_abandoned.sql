@@ -12,6 +12,11 @@ VOLATILE
 SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_now timestamptz;
+    v_candidate record;
+    v_row idempotency.abandoned_key;
+    v_found integer := 0;
 BEGIN
     IF list_abandoned.max_keys IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK010',
@@ -25,19 +30,35 @@ BEGIN
         PERFORM idempotency._check_name('idempotency.list_abandoned', 'scope',
                                         list_abandoned.scope);
     END IF;
+    v_now := CASE WHEN list_abandoned.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.list_abandoned',
+                                     list_abandoned.reference_time) END;
 
-    RETURN QUERY
-    SELECT k.scope, k.key, k.lease_expires_at, k.recovery_point, k.attempts, k.created_at
-    FROM idempotency.keys AS k
-    WHERE k.state = 'in_progress'
-      AND k.lease_expires_at <= CASE WHEN list_abandoned.reference_time IS NULL
-          THEN clock_timestamp()
-          ELSE idempotency._test_clock('idempotency.list_abandoned',
-                                       list_abandoned.reference_time) END
-      AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
-    ORDER BY k.lease_expires_at
-    LIMIT list_abandoned.max_keys
-    FOR UPDATE OF k SKIP LOCKED;
+    -- Candidates first, without locks, then each one locked on its own (SKIP LOCKED): on
+    -- Citus a statement over every shard cannot lock rows, one on a scope's shard can. On one
+    -- node it costs a statement per key, for a call background completers make rarely.
+    FOR v_candidate IN
+        SELECT k.scope, k.key, k.created_at
+        FROM idempotency.keys AS k
+        WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now
+          AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
+        ORDER BY k.lease_expires_at
+        -- Room for keys other completers hold locked, which are skipped.
+        LIMIT list_abandoned.max_keys * 4
+    LOOP
+        SELECT k.scope, k.key, k.lease_expires_at, k.recovery_point, k.attempts, k.created_at
+        INTO v_row
+        FROM idempotency.keys AS k
+        WHERE k.scope = v_candidate.scope AND k.key = v_candidate.key
+          AND k.created_at = v_candidate.created_at
+          AND k.state = 'in_progress' AND k.lease_expires_at <= v_now
+        FOR UPDATE OF k SKIP LOCKED;
+        IF FOUND THEN
+            RETURN NEXT v_row;
+            v_found := v_found + 1;
+            EXIT WHEN v_found >= list_abandoned.max_keys;
+        END IF;
+    END LOOP;
 END;
 $$;
 

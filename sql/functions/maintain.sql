@@ -36,6 +36,7 @@ DECLARE
     v_blocked text[] := ARRAY[]::text[];
     v_step idempotency.maintenance_action;
     v_timeout text;
+    v_forgotten bigint := 0;
 BEGIN
     IF maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
@@ -51,6 +52,11 @@ BEGIN
     END IF;
     INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
     SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
+    IF idempotency._distributed() THEN
+        -- Citus: the partition DDL below may not follow statements that ran on many shards in
+        -- parallel in the same transaction; one connection per node keeps both possible.
+        PERFORM set_config('citus.multi_shard_modify_mode', 'sequential', true);
+    END IF;
 
     -- Phase 1: no exclusive lock yet.
     FOREACH v_parent IN ARRAY v_parents LOOP
@@ -76,6 +82,13 @@ BEGIN
                               'keys past the retention in the default partition');
                 RETURN NEXT v_step;
             END IF;
+        END IF;
+        IF v_parent <> 'inbox' THEN
+            -- Their directory rows first (keys that got a tombstone just above keep theirs).
+            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                v_parent, v_parent || '_default',
+                CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
+                     THEN 'infinity' ELSE maintain.reference_time - v_window END);
         END IF;
         IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
             -- Tombstones off: an expired key is a new request, so forget them all.
@@ -123,6 +136,13 @@ BEGIN
                 v_step := ROW('tombstoned', v_parent, v_part.partition_name, v_part.lower_bound,
                               v_part.upper_bound, v_count, 'before the partition is dropped');
                 RETURN NEXT v_step;
+            END IF;
+            IF v_parent <> 'inbox' THEN
+                -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay
+                -- short. Should the DROP be skipped, these keys are past their retention and
+                -- a retry of one is a new request, as it would be once the partition is gone.
+                v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                    v_parent, v_part.partition_name, 'infinity');
             END IF;
             EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
             INTO v_count;
@@ -177,71 +197,39 @@ BEGIN
         END LOOP;
     END LOOP;
 
-    -- The directory last, whatever manage_partitions says (it is ours even when pg_partman
-    -- manages keys): its rows may go only once no key row and no tombstone they point to is
-    -- left, so after the drops above. Each drop re-checks that under the table's exclusive
-    -- lock, so no claim can add a row to the partition meanwhile.
-    v_window := idempotency._directory_window(v_settings);
-    DELETE FROM idempotency.key_directory_default AS d
-    WHERE d.created_at < maintain.reference_time - v_window
-      AND NOT EXISTS (
-          SELECT FROM idempotency.keys AS k
-          WHERE k.scope = d.scope AND k.created_at = d.created_at
-            AND sha256(convert_to(k.key, 'UTF8')) = d.key_hash
-      )
-      AND NOT EXISTS (
-          SELECT FROM idempotency.tombstones AS t
-          WHERE t.scope = d.scope AND t.key_hash = d.key_hash AND t.created_at = d.created_at
-      );
-    GET DIAGNOSTICS v_count = ROW_COUNT;
-    IF v_count > 0 THEN
-        v_step := ROW('deleted', 'key_directory', 'key_directory_default', NULL::timestamptz,
-                      NULL::timestamptz, v_count,
-                      format('older than %s (the directory window) and pointing to no key or '
-                             'tombstone', v_window));
+    IF v_forgotten > 0 THEN
+        v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                      NULL::timestamptz, v_forgotten,
+                      'the directory rows of the keys and tombstones that go');
         RETURN NEXT v_step;
     END IF;
-    SELECT max(p.upper_bound) INTO v_newest
-    FROM idempotency._partitions('key_directory') AS p WHERE NOT p.is_default;
-    FOR v_part IN
-        SELECT p.partition_name, p.lower_bound, p.upper_bound
-        FROM idempotency._partitions('key_directory') AS p
-        WHERE NOT p.is_default AND p.upper_bound + v_window <= maintain.reference_time
-          AND p.upper_bound < v_newest
-        ORDER BY p.lower_bound
-    LOOP
-        v_step := ROW('dropped', 'key_directory', v_part.partition_name, v_part.lower_bound,
-                      v_part.upper_bound, NULL::bigint,
-                      format('wholly older than %s (the directory window)', v_window));
-        BEGIN
-            LOCK TABLE idempotency.key_directory IN ACCESS EXCLUSIVE MODE;
-            IF EXISTS (
-                SELECT FROM idempotency.keys AS k
-                WHERE k.created_at >= v_part.lower_bound AND k.created_at < v_part.upper_bound
-            ) OR EXISTS (
-                SELECT FROM idempotency.tombstones AS t
-                WHERE t.created_at >= v_part.lower_bound AND t.created_at < v_part.upper_bound
-            ) THEN
-                v_step.action := 'skipped';
-                v_step.reason := 'not dropped: keys or tombstones dated in its range remain '
-                                 || '(partitions of keys kept longer, by pg_partman?)';
-            ELSE
-                EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
-                INTO v_step.row_count;
-                EXECUTE format('DROP TABLE idempotency.%I', v_part.partition_name);
-            END IF;
-        EXCEPTION WHEN lock_not_available THEN
-            v_step.action := 'skipped';
-            v_step.reason := format(
-                'not dropped: idempotency.key_directory was not locked within %s '
-                '(settings.maintenance_lock_timeout); a transaction is using it', v_timeout);
+    IF NOT v_settings.manage_partitions THEN
+        -- pg_partman drops partitions of keys without telling: forget the directory rows that
+        -- point at no key and no tombstone any more (a claim would treat such a row as a new
+        -- key anyway; this only keeps the directory from growing). It reads the whole
+        -- directory, so only in this mode.
+        DELETE FROM idempotency.key_directory AS d
+        WHERE d.created_at < maintain.reference_time - v_settings.retention
+          AND NOT EXISTS (
+              SELECT FROM idempotency.keys AS k
+              WHERE k.scope = d.scope AND k.created_at = d.created_at
+                AND idempotency._key_hash(k.key) = d.key_hash
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.tombstones AS t
+              WHERE t.scope = d.scope AND t.key_hash = d.key_hash
+                AND t.created_at = d.created_at
+          );
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        IF v_count > 0 THEN
+            v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                          NULL::timestamptz, v_count,
+                          format('older than %s (retention) and pointing to no key or '
+                                 'tombstone (partitions dropped elsewhere)',
+                                 v_settings.retention));
             RETURN NEXT v_step;
-            EXIT;
-        END;
-        RETURN NEXT v_step;
-    END LOOP;
-    RETURN QUERY
-    SELECT * FROM idempotency._make_directory_partitions(v_settings, maintain.reference_time);
+        END IF;
+    END IF;
     -- The partitions of keys may have changed (here, or by pg_partman since the last run).
     PERFORM idempotency._make_routes();
     PERFORM set_config('lock_timeout', v_saved_lock_timeout, true);
@@ -250,8 +238,8 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
-'Retention by partitions for keys, inbox, tombstones and key_directory: write tombstones
-(opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
+'Retention by partitions for keys, inbox and tombstones, with the key_directory rows of what
+goes: write tombstones (opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
 Returns what it did. See docs/maintenance.md.';

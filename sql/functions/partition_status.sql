@@ -1,5 +1,5 @@
--- Observability, for operators (pg-idempotency status): every partition of keys, inbox,
--- tombstones and key_directory with its rows, its size, and when maintain() will drop it.
+-- Observability, for operators (pg-idempotency status): every partition of keys, inbox and
+-- tombstones with its rows, its size, and when maintain() will drop it.
 -- Counts rows exactly, partition by partition, so it reads every row too.
 CREATE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
 RETURNS SETOF idempotency.partition_status
@@ -22,10 +22,8 @@ BEGIN
         v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
                           interval '30 days', true, interval '200 milliseconds');
     END IF;
-    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones', 'key_directory'] LOOP
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
         v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
-                                  WHEN 'key_directory'
-                                      THEN idempotency._directory_window(v_settings)
                                   ELSE v_settings.retention END;
         SELECT max(p.upper_bound) INTO v_newest
         FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
@@ -60,6 +58,6 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
-'Every partition of keys, inbox, tombstones and key_directory: bounds, exact row count, total
+'Every partition of keys, inbox and tombstones: bounds, exact row count, total
 size, and drop_after (when maintain() will drop it; NULL for the default and the newest
 partition).';

@@ -1,6 +1,8 @@
 -- For a failure before any side effect: the key is forgotten, and the next retry runs afresh
 -- (even with a different request). After a side effect, do not release: leave the lease to
 -- expire so the next attempt resumes from the recovery point.
+-- The row stays, in state released, until the next claim of the key replaces it (or maintain()
+-- drops it with its partition): the next owner's token is made greater than this one's.
 CREATE FUNCTION idempotency.release(scope text, key text, lease_token bigint)
 RETURNS void
 LANGUAGE plpgsql
@@ -28,20 +30,14 @@ BEGIN
     -- The key's one partition, from the directory (see claim).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
-    -- Joined for its lock only, as in _finish: the parent is locked before the route's
-    -- to_regclass test (see _make_routes).
-    LEFT JOIN ONLY idempotency.keys AS parent ON false
     WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'));
 
-    -- The fenced DELETE, on the one partition created_at names (see _make_routes).
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
     IF idempotency._release_row(release.scope, release.key, release.lease_token,
                                 v_created_at) IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
                                          release.lease_token);
     END IF;
-    DELETE FROM idempotency.key_directory AS d
-    WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'))
-      AND d.created_at = v_created_at;
 END;
 $$;
 

@@ -31,14 +31,12 @@ BEGIN
         -- The key's one partition, from the directory (see claim).
         SELECT d.created_at INTO v_created_at
         FROM idempotency.key_directory AS d
-        -- Joined for its lock only, as in _finish: the parent is locked before the routes'
-        -- to_regclass tests (see _make_routes).
-        LEFT JOIN ONLY idempotency.keys AS parent ON false
         WHERE d.scope = takeover.scope
           AND d.key_hash = sha256(convert_to(takeover.key, 'UTF8'));
         -- The row, from the one partition created_at names (see _make_routes).
         v_existing := idempotency._key_row(takeover.scope, takeover.key, v_created_at);
-        IF v_existing.scope IS NULL THEN
+        -- A released key has no owner to take over from: the next claim() starts it afresh.
+        IF v_existing.scope IS NULL OR v_existing.state = 'released' THEN
             RAISE EXCEPTION USING
                 MESSAGE = format('idempotency.takeover: key %s in scope %s does not exist',
                                  to_json(takeover.key), to_json(takeover.scope)),

@@ -1,37 +1,31 @@
--- Where each retained key lives: one row per (scope, key) that still has a row in
--- idempotency.keys or a tombstone, giving that row's created_at. The engine's answer to "a
--- unique index cannot span the time partitions": a claim looks the key up here, in a handful
--- of wide partitions, instead of in every partition of idempotency.keys, and then addresses
--- exactly one partition of keys (or of tombstones) by created_at equality, which the executor
--- prunes at startup even in a generic plan. So the cost of a claim, a completion or any other
--- call on a key does not grow with retention, partition_interval, premake, tombstones or the
--- number of partitions of keys, whoever made them (pg_partman included).
+-- The arbiter of uniqueness and the map of where each key lives: one row per (scope, key) that
+-- has a row in idempotency.keys or a tombstone, giving that row's created_at.
 --
--- The partitions here are wide on purpose: one spans the directory window, that is the
--- longest a key or its tombstone can stay (retention or tombstone_retention, plus
--- partition_interval, rounded up to whole days; see idempotency._directory_window), so three
--- of them and the default one are all a lookup ever probes. maintain() creates and drops them
--- itself, also when pg_partman manages keys, and never drops one while a key or tombstone it
--- points to is left.
+-- Why a plain table with a primary key on (scope, key_hash): PostgreSQL cannot make
+-- (scope, key) unique across the time partitions of keys (a unique index on a partitioned table
+-- must contain the partition column), and Citus cannot either, across shards, unless the
+-- distribution column is in it. Here it is enforced by this primary key, on the one node that
+-- holds the scope's shard: a claim inserts its directory row with ON CONFLICT DO NOTHING, and a
+-- second claim of the same key waits for the first one's transaction and then sees its row.
+-- No advisory lock (local to one node, so useless once calls arrive on several nodes) and no
+-- snapshot argument take part in it: whichever node a call runs on, the index decides. One
+-- index probe and one insert per new key, and a claim of an existing key finds its
+-- created_at with one probe, so no call searches the partitions of keys.
 --
 -- The key is stored as its sha256, as in tombstones: the directory outlives the response.
--- Uniqueness of (scope, key_hash) across these partitions is kept as for keys: claim() holds
--- the key's advisory lock, looks here with a fresh snapshot, and inserts only when nothing is
--- found. There is at most one row per (scope, key_hash).
+-- Retention: maintain() deletes the rows of the keys (or tombstones) it drops, in the same
+-- transaction as the drop (docs/maintenance.md). That is a DELETE of one small row per key,
+-- not of the responses: the keys themselves still go by partition drop.
 CREATE TABLE idempotency.key_directory (
     scope text NOT NULL,
     key_hash bytea NOT NULL,
     created_at timestamptz NOT NULL,
-    PRIMARY KEY (scope, key_hash, created_at)
-) PARTITION BY RANGE (created_at);
+    PRIMARY KEY (scope, key_hash)
+);
 
 COMMENT ON TABLE idempotency.key_directory IS
-'Where each retained key lives: (scope, sha256 of the key) -> created_at of its row in
-idempotency.keys or idempotency.tombstones. Written only through the idempotency.* functions.';
+'Where each retained key lives, and the arbiter of its uniqueness: (scope, sha256 of the key)
+-> created_at of its row in idempotency.keys or idempotency.tombstones. Written only through
+the idempotency.* functions.';
 
 REVOKE ALL ON idempotency.key_directory FROM public;
-
--- The safety net, as for keys: rows of a range without a partition land here.
-CREATE TABLE idempotency.key_directory_default PARTITION OF idempotency.key_directory DEFAULT;
-
-REVOKE ALL ON idempotency.key_directory_default FROM public;

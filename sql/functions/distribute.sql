@@ -1,0 +1,152 @@
+-- The one step that spreads an install over a Citus cluster (docs/scale-out.md). Run it on the
+-- coordinator, after the migrations, as the schema's owner:
+--
+--   keys, key_directory and tombstones   distributed by scope, co-located: a scope (a tenant)
+--                                        lives on one shard, with its business tables when
+--                                        they are created with colocate_with => 'idempotency.keys'
+--   inbox                                distributed by consumer, in the same co-location group
+--   settings, migrations                 reference tables (a copy on every node)
+--   claim, complete, complete_bytes,     delegated to the node holding the scope's shard, inside
+--   heartbeat, checkpoint, accept,       transaction blocks too (force_delegation): the whole
+--   release, takeover; inbox_accept      body runs there, next to the rows, in one hop
+--   every other function                 created on every node (the delegated bodies call them)
+--
+-- What keeps the guarantees wherever a call runs (delegated, inside a subquery or a transaction
+-- the coordinator executes itself, or sent straight to a worker) is in the tables, not in this
+-- step: uniqueness is key_directory's primary key, on the shard's node; tokens are made per key
+-- from the previous owner's (see _new_token). Delegation only saves hops.
+-- Running it again distributes only what is not yet distributed (a function added by a later
+-- migration, say). Returns one row per object it changed.
+CREATE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
+RETURNS TABLE (object text, action text)
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_table record;
+    v_fn record;
+    v_delegated constant text[] := ARRAY[
+        'claim', 'complete', 'complete_bytes', 'heartbeat', 'checkpoint', 'accept', 'release',
+        'takeover', 'inbox_accept'];
+    v_coordinator boolean;
+    v_done boolean;
+BEGIN
+    IF NOT EXISTS (SELECT FROM pg_extension AS e WHERE e.extname = 'citus') THEN
+        RAISE EXCEPTION USING
+            MESSAGE = 'idempotency.distribute: Citus is not installed in this database',
+            ERRCODE = 'IK021',
+            DETAIL = 'distribute() spreads the schema over a Citus cluster; on a single '
+                     'PostgreSQL server there is nothing to do.',
+            HINT = 'Without Citus, skip this step. With it: CREATE EXTENSION citus on the '
+                   'coordinator first (docs/scale-out.md).';
+    END IF;
+    EXECUTE 'SELECT pg_catalog.citus_is_coordinator()' INTO v_coordinator;
+    IF NOT v_coordinator THEN
+        RAISE EXCEPTION USING
+            MESSAGE = 'idempotency.distribute: this node is not the Citus coordinator',
+            ERRCODE = 'IK022',
+            HINT = 'Run it on the coordinator (after citus_set_coordinator_host and '
+                   'citus_add_node).';
+    END IF;
+    IF distribute.shard_count IS NOT NULL AND distribute.shard_count NOT BETWEEN 1 AND 64000 THEN
+        PERFORM idempotency._invalid_argument('idempotency.distribute', 'shard_count', 'IK014',
+                                              'must be between 1 and 64000',
+                                              format('It is %s.', distribute.shard_count));
+    END IF;
+
+    -- Functions may not be distributed after statements that used many connections per node
+    -- in the same transaction (creating the shards does): one connection per node throughout.
+    PERFORM set_config('citus.multi_shard_modify_mode', 'sequential', true);
+    FOR v_table IN
+        SELECT t.name, t.column_name, t.ord
+        FROM (VALUES ('keys', 'scope', 1), ('key_directory', 'scope', 2),
+                     ('tombstones', 'scope', 3), ('inbox', 'consumer', 4),
+                     ('settings', NULL, 5), ('migrations', NULL, 6))
+             AS t (name, column_name, ord)
+        ORDER BY t.ord
+    LOOP
+        -- Citus's functions and catalogs exist only where it is installed: dynamic SQL, so
+        -- that this function compiles (and plpgsql_check passes) on any server.
+        EXECUTE 'SELECT EXISTS (SELECT FROM pg_catalog.pg_dist_partition AS p '
+                'WHERE p.logicalrelid = $1)'
+        INTO v_done
+        USING format('idempotency.%I', v_table.name)::regclass;
+        CONTINUE WHEN v_done;
+        IF v_table.column_name IS NULL THEN
+            EXECUTE 'SELECT pg_catalog.create_reference_table($1)'
+            USING format('idempotency.%I', v_table.name)::regclass;
+            object := 'idempotency.' || v_table.name;
+            action := 'reference table';
+        ELSIF v_table.name = 'keys' THEN
+            IF distribute.shard_count IS NULL THEN
+                EXECUTE 'SELECT pg_catalog.create_distributed_table($1, $2)'
+                USING 'idempotency.keys'::regclass, 'scope';
+            ELSE
+                EXECUTE 'SELECT pg_catalog.create_distributed_table($1, $2, '
+                        'shard_count => $3)'
+                USING 'idempotency.keys'::regclass, 'scope', distribute.shard_count;
+            END IF;
+            object := 'idempotency.keys';
+            action := 'distributed by scope';
+        ELSE
+            EXECUTE 'SELECT pg_catalog.create_distributed_table($1, $2, '
+                    'colocate_with => $3)'
+            USING format('idempotency.%I', v_table.name)::regclass, v_table.column_name,
+                  'idempotency.keys';
+            object := 'idempotency.' || v_table.name;
+            action := format('distributed by %s, co-located with idempotency.keys',
+                             v_table.column_name);
+        END IF;
+        -- The rows were copied into the shards; the coordinator's own copy is invisible now and
+        -- only takes space.
+        EXECUTE 'SELECT pg_catalog.truncate_local_data_after_distributing_table($1)'
+        USING format('idempotency.%I', v_table.name)::regclass;
+        RETURN NEXT;
+    END LOOP;
+
+    -- Functions: the per-key ones delegated by their first argument, the rest only created on
+    -- every node. Those already done (pg_dist_object; Citus also propagates a new function by
+    -- itself when it can) are left as they are.
+    FOR v_fn IN EXECUTE
+        'SELECT p.oid::pg_catalog.regprocedure::text AS signature, p.proname::text AS name, '
+        '       p.proargnames[1] AS first_argument '
+        'FROM pg_catalog.pg_proc AS p '
+        'WHERE p.pronamespace = $1 '
+        '  AND NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o '
+        '                  WHERE o.classid = $2 AND o.objid = p.oid '
+        '                    AND (p.proname <> ALL ($3) '
+        '                         OR o.distribution_argument_index IS NOT NULL)) '
+        'ORDER BY p.proname <> ALL ($3), p.oid'
+        USING 'idempotency'::regnamespace, 'pg_proc'::regclass, v_delegated
+    LOOP
+        IF v_fn.name = ANY (v_delegated) THEN
+            EXECUTE 'SELECT pg_catalog.create_distributed_function($1::regprocedure, $2, '
+                    'colocate_with => $3, force_delegation => true)'
+            USING v_fn.signature, '$1', 'idempotency.keys';
+            object := v_fn.signature;
+            action := format('delegated by %s', v_fn.first_argument);
+        ELSE
+            EXECUTE 'SELECT pg_catalog.create_distributed_function($1::regprocedure)'
+            USING v_fn.signature;
+            object := v_fn.signature;
+            action := 'created on every node';
+        END IF;
+        RETURN NEXT;
+    END LOOP;
+
+    -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
+    -- the routes lose their per-partition branches (see _make_routes).
+    IF idempotency._make_routes() THEN
+        object := 'routes';
+        action := 'regenerated without per-partition branches';
+        RETURN NEXT;
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.distribute(integer) IS
+'Citus: distribute keys, key_directory and tombstones by scope and inbox by consumer (co-located;
+shard_count optional), settings and migrations as reference tables, and delegate every per-key
+function to the node that holds its scope. Run on the coordinator after the migrations; running it
+again changes only what is new. Raises IK021 without Citus. See docs/scale-out.md.';

@@ -1,0 +1,74 @@
+-- Recipe of migrations/0009_citus.sql (tools/build.py --migration 9 citus); the syntax is
+-- explained in sql/upgrades/0002_maintenance.sql.
+--
+-- 0009: the guarantees no longer depend on one node (docs/scale-out.md, docs/design.md).
+-- - Uniqueness: key_directory becomes a plain table whose primary key (scope, key_hash) decides
+--   which claim owns a new key; the advisory lock and the search of the directory's
+--   partitions go. maintain() deletes the directory rows of the keys and tombstones it drops.
+-- - Lease tokens: made per key by _new_token (greater than the previous owner's, 32 random
+--   bits), not by lease_token_seq, which goes.
+-- - release() keeps the row, in state released, so that the next owner's token is greater.
+-- - A wrong token gets IK001 whatever the key's state (no IK003 from the fenced calls; IK004
+--   only for the owner of a completed key).
+-- - idempotency.distribute() spreads the schema over a Citus cluster.
+
+-- No call may use the tables while they change: sessions running the old functions wait here
+-- until this migration commits.
+LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory
+IN ACCESS EXCLUSIVE MODE;
+
+ALTER TABLE idempotency.key_directory RENAME TO key_directory_0008;
+ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
+-- @include tables/key_directory.sql
+-- One row per (scope, key_hash) already (claim held the key's lock to insert one).
+INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
+SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
+FROM idempotency.key_directory_0008 AS d
+ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+DROP TABLE idempotency.key_directory_0008;
+DROP FUNCTION idempotency._make_directory_partitions(
+    idempotency.settings, timestamptz, timestamptz
+);
+DROP FUNCTION idempotency._directory_window(idempotency.settings);
+
+-- @include functions/_new_token.sql
+-- @include functions/_key_hash.sql
+-- @include functions/_distributed.sql
+-- @include functions/_drop_directory_rows.sql
+-- @replace functions/_lease_error.sql
+-- @replace functions/_create_partition.sql
+-- @replace functions/_premake.sql
+-- @replace functions/_resume_existing.sql
+-- @replace functions/claim.sql
+-- @replace functions/checkpoint.sql
+-- @replace functions/heartbeat.sql
+-- @replace functions/_finish.sql
+-- @replace functions/accept.sql
+-- @replace functions/release.sql
+-- @replace functions/takeover.sql
+-- @replace functions/list_abandoned.sql
+-- @replace functions/_partitions.sql
+-- @replace functions/_make_routes.sql
+-- @replace functions/_write_tombstones.sql
+-- @replace functions/maintain.sql
+-- @replace functions/key_status.sql
+-- @replace functions/partition_status.sql
+-- @include functions/distribute.sql
+
+DROP SEQUENCE idempotency.lease_token_seq;
+
+COMMENT ON TYPE idempotency.partition_status IS
+'One partition of keys, inbox or tombstones, as reported by idempotency.partition_status().';
+
+COMMENT ON TYPE idempotency.key_status IS
+'Keys of one scope in one state, as reported by idempotency.key_status().';
+
+-- _resume_row takes the new token as an argument now (Citus refuses volatile functions in an
+-- UPDATE); it and the other generated functions are made again with this version's text.
+DROP FUNCTION idempotency._resume_row(
+    text, text, timestamptz, bigint, timestamptz, timestamptz
+);
+SELECT idempotency._make_routes() AS routes_made;
+
+-- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
