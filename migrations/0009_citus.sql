@@ -31,12 +31,13 @@ $guard$;
 -- - release() keeps the row, in state released, so that the next owner's token is greater.
 -- - A wrong token gets IK001 whatever the key's state (no IK003 from the fenced calls; IK004
 --   only for the owner of a completed key).
+-- - inbox_accept() uses the same arbiter (a directory row per message) instead of a lock.
 -- - idempotency.distribute() spreads the schema over a Citus cluster.
 
 -- No call may use the tables while they change: sessions running the old functions wait here
 -- until this migration commits.
-LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory
-IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory,
+idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 
 ALTER TABLE idempotency.key_directory RENAME TO key_directory_0008;
 ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
@@ -56,6 +57,8 @@ ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
 -- created_at with one probe, so no call searches the partitions of keys.
 --
 -- The key is stored as its sha256, as in tombstones: the directory outlives the response.
+-- inbox_accept() keeps its messages here too, as (consumer, sha256 of U+001F || message id):
+-- one arbiter for both, and no key (which cannot hold U+001F) has the same hash.
 -- Retention: maintain() deletes the rows of the keys (or tombstones) it drops, in the same
 -- transaction as the drop (docs/maintenance.md). That is a DELETE of one small row per key,
 -- not of the responses: the keys themselves still go by partition drop.
@@ -78,11 +81,19 @@ INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
 FROM idempotency.key_directory_0008 AS d
 ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+-- The messages already in the inbox get their directory rows (see inbox_accept).
+INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
+SELECT DISTINCT ON (i.consumer, i.message_id)
+    i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
+FROM idempotency.inbox AS i
+ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
 DROP TABLE idempotency.key_directory_0008;
 DROP FUNCTION idempotency._make_directory_partitions(
     idempotency.settings, timestamptz, timestamptz
 );
 DROP FUNCTION idempotency._directory_window(idempotency.settings);
+-- The advisory lock of claim and inbox_accept is gone with them.
+DROP FUNCTION idempotency._lock_name(integer, text, text);
 
 -- sql/functions/_new_token.sql
 -- Lease tokens (fencing tokens) are made here, per key, not from a sequence:
@@ -171,8 +182,9 @@ COMMENT ON FUNCTION idempotency._distributed() IS
 'Internal: true when idempotency.keys is a Citus distributed table (see distribute()).';
 
 -- sql/functions/_drop_directory_rows.sql
--- maintain(), phase 1: deletes the directory rows (see sql/tables/key_directory.sql) of the keys
--- or tombstones in one partition of parent ('keys' or 'tombstones') that are about to go, those
+-- maintain(), phase 1: deletes the directory rows (see sql/tables/key_directory.sql) of the keys,
+-- tombstones or messages in one partition of parent ('keys', 'tombstones' or 'inbox') that are
+-- about to go, those
 -- dated before "before" (the default partitions) or all of them (a ranged partition about to be
 -- dropped). A key that got a tombstone keeps its row, now pointing at the tombstone, until the
 -- tombstone goes. Returns how many rows it deleted.
@@ -198,6 +210,15 @@ BEGIN
             '                    AND t.created_at = d.created_at)',
             _drop_directory_rows.source)
         USING _drop_directory_rows.before;
+    ELSIF _drop_directory_rows.parent = 'inbox' THEN
+        -- A message's row: (consumer, sha256 of U+001F and the message id); see inbox_accept.
+        EXECUTE format(
+            'DELETE FROM idempotency.key_directory AS d USING idempotency.%I AS i '
+            'WHERE d.scope = i.consumer '
+            '  AND d.key_hash = idempotency._key_hash(chr(31) || i.message_id) '
+            '  AND d.created_at = i.received_at AND i.received_at < $1',
+            _drop_directory_rows.source)
+        USING _drop_directory_rows.before;
     ELSE
         EXECUTE format(
             'DELETE FROM idempotency.key_directory AS d USING idempotency.%I AS t '
@@ -212,8 +233,8 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency._drop_directory_rows(text, text, timestamptz) IS
-'Internal (maintain, phase 1): delete the key_directory rows of the keys or tombstones of
-partition source dated before "before"; returns how many.';
+'Internal (maintain, phase 1): delete the key_directory rows of the keys, tombstones or inbox
+messages of partition source dated before "before"; returns how many.';
 
 -- sql/functions/_lease_error.sql
 -- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
@@ -1107,6 +1128,76 @@ COMMENT ON FUNCTION idempotency.list_abandoned(integer, text, timestamptz) IS
 'Up to max_keys in-progress keys whose lease expired (optionally of one scope), oldest expiry
 first, locked FOR UPDATE SKIP LOCKED until the end of the caller''s transaction.';
 
+-- sql/functions/inbox_accept.sql
+-- The inbox pattern for message consumers: call it in the transaction that applies the
+-- message's effects. True the first time: the row commits with those effects. False for a
+-- redelivery. A concurrent delivery of the same message waits until the first transaction
+-- ends, then gets false (committed) or true (rolled back).
+CREATE OR REPLACE FUNCTION idempotency.inbox_accept(
+    consumer text,
+    message_id text,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS boolean
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz;
+    v_hash bytea;
+    v_created_at timestamptz;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.inbox_accept', 'consumer',
+                                    inbox_accept.consumer);
+    PERFORM idempotency._check_name('idempotency.inbox_accept', 'message_id',
+                                    inbox_accept.message_id);
+    PERFORM idempotency._require_read_committed('idempotency.inbox_accept');
+    v_now := CASE WHEN inbox_accept.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.inbox_accept', inbox_accept.reference_time) END;
+
+    -- The arbiter is the key directory's primary key, as for claim(): a message's row there is
+    -- (consumer, sha256 of U+001F and the message id). _check_name refuses control characters
+    -- in a key, so no key's hash can be the same. A concurrent delivery of the same message
+    -- waits for this transaction and then finds the row: false; if it rolled back: true.
+    -- Whichever node runs this, the consumer's shard decides (Citus: co-located with keys).
+    v_hash := sha256(convert_to(chr(31) || inbox_accept.message_id, 'UTF8'));
+    INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+    VALUES (inbox_accept.consumer, v_hash, v_now)
+    ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+    IF NOT FOUND THEN
+        -- Accepted before, unless its inbox partition has gone since (pg_partman dropped it):
+        -- then the message is new again, as after its retention.
+        SELECT d.created_at INTO v_created_at
+        FROM idempotency.key_directory AS d
+        WHERE d.scope = inbox_accept.consumer AND d.key_hash = v_hash;
+        PERFORM
+        FROM idempotency.inbox AS i
+        WHERE i.consumer = inbox_accept.consumer AND i.message_id = inbox_accept.message_id
+          AND i.received_at = v_created_at;
+        IF FOUND THEN
+            RETURN false;
+        END IF;
+        UPDATE idempotency.key_directory AS d
+        SET created_at = v_now
+        WHERE d.scope = inbox_accept.consumer AND d.key_hash = v_hash
+          AND d.created_at = v_created_at;
+        IF NOT FOUND THEN
+            -- Changed meanwhile by a concurrent delivery, which committed first.
+            RETURN false;
+        END IF;
+    END IF;
+    INSERT INTO idempotency.inbox (consumer, message_id, received_at)
+    VALUES (inbox_accept.consumer, inbox_accept.message_id, v_now);
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.inbox_accept(text, text, timestamptz) IS
+'Record message_id as processed by consumer, in the caller''s transaction: true the first time,
+false for a redelivery.';
+
 -- sql/functions/_partitions.sql
 -- The partitions of idempotency.keys, inbox or tombstones with their bounds,
 -- read back from the catalog rather than from their names: partitions made by pg_partman, or
@@ -1479,7 +1570,7 @@ BEGIN
                                               'must not be NULL');
     END IF;
     -- Two runs at once would only wait for each other's locks: the second one leaves at once.
-    -- Lock space 3 (1 and 2 are the key locks of keys and inbox, see _lock_name).
+    -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
     IF NOT pg_try_advisory_xact_lock(3, 0) THEN
         v_step.action := 'skipped';
         v_step.reason := 'another idempotency.maintain() run holds the maintenance lock';
@@ -1519,13 +1610,11 @@ BEGIN
                 RETURN NEXT v_step;
             END IF;
         END IF;
-        IF v_parent <> 'inbox' THEN
-            -- Their directory rows first (keys that got a tombstone just above keep theirs).
-            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
-                v_parent, v_parent || '_default',
-                CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
-                     THEN 'infinity' ELSE maintain.reference_time - v_window END);
-        END IF;
+        -- Their directory rows first (keys that got a tombstone just above keep theirs).
+        v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+            v_parent, v_parent || '_default',
+            CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
+                 THEN 'infinity' ELSE maintain.reference_time - v_window END);
         IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
             -- Tombstones off: an expired key is a new request, so forget them all.
             v_window := NULL;
@@ -1573,13 +1662,11 @@ BEGIN
                               v_part.upper_bound, v_count, 'before the partition is dropped');
                 RETURN NEXT v_step;
             END IF;
-            IF v_parent <> 'inbox' THEN
-                -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay
-                -- short. Should the DROP be skipped, these keys are past their retention and
-                -- a retry of one is a new request, as it would be once the partition is gone.
-                v_forgotten := v_forgotten + idempotency._drop_directory_rows(
-                    v_parent, v_part.partition_name, 'infinity');
-            END IF;
+            -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay short.
+            -- Should the DROP be skipped, these keys are past their retention and a retry of
+            -- one is a new request, as it would be once the partition is gone.
+            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                v_parent, v_part.partition_name, 'infinity');
             EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
             INTO v_count;
             v_drops := v_drops || ROW(
@@ -1640,8 +1727,8 @@ BEGIN
         RETURN NEXT v_step;
     END IF;
     IF NOT v_settings.manage_partitions THEN
-        -- pg_partman drops partitions of keys without telling: forget the directory rows that
-        -- point at no key and no tombstone any more (a claim would treat such a row as a new
+        -- pg_partman drops partitions of keys and inbox without telling: forget the directory
+        -- rows that point at no key, tombstone or message any more (a claim would treat such a row as a new
         -- key anyway; this only keeps the directory from growing). It reads the whole
         -- directory, so only in this mode.
         DELETE FROM idempotency.key_directory AS d
@@ -1655,6 +1742,11 @@ BEGIN
               SELECT FROM idempotency.tombstones AS t
               WHERE t.scope = d.scope AND t.key_hash = d.key_hash
                 AND t.created_at = d.created_at
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.inbox AS i
+              WHERE i.consumer = d.scope AND i.received_at = d.created_at
+                AND idempotency._key_hash(chr(31) || i.message_id) = d.key_hash
           );
         GET DIAGNOSTICS v_count = ROW_COUNT;
         IF v_count > 0 THEN

@@ -8,7 +8,7 @@ the caller as psycopg raised them.
     IdempotencyError
     ├── LeaseLost                 IK001: "you no longer own this key", and the family of:
     │   ├── LeaseLostCompleted    IK004 from a lease-token call (also an AlreadyCompleted)
-    │   └── LeaseLostNotFound     IK003 from a lease-token call (also a KeyNotFound)
+    │   └── LeaseLostNotFound     IK003 from a lease-token call (servers before 0.9.0)
     ├── KeyMismatch               IK002 (also what operation() raises on outcome mismatch)
     ├── KeyNotFound               IK003
     ├── AlreadyCompleted          IK004
@@ -25,6 +25,8 @@ the caller as psycopg raised them.
     ├── KeyInProgress             outcome in_progress (no SQLSTATE: claim returns it)
     ├── KeyExpired                outcome expired (no SQLSTATE: claim returns it)
     ├── PgCronNotInstalled        IK020
+    ├── CitusNotInstalled         IK021 (idempotency.distribute() without Citus)
+    ├── CitusNotCoordinator       IK022 (idempotency.distribute() on a Citus worker)
     └── UsageError                the Python API was used wrongly (no SQLSTATE)
 """
 
@@ -35,7 +37,7 @@ from datetime import timedelta
 import psycopg
 
 __all__ = [
-    "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
+    "AlreadyCompleted", "ArgumentConflict", "CitusNotCoordinator", "CitusNotInstalled", "ArgumentEmpty", "ArgumentInvalidCharacters",
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
@@ -182,6 +184,18 @@ class PgCronNotInstalled(IdempotencyError):
     sqlstate = "IK020"
 
 
+class CitusNotInstalled(IdempotencyError):
+    """IK021: idempotency.distribute() in a database without the citus extension."""
+
+    sqlstate = "IK021"
+
+
+class CitusNotCoordinator(IdempotencyError):
+    """IK022: idempotency.distribute() on a Citus worker instead of the coordinator."""
+
+    sqlstate = "IK022"
+
+
 class UsageError(IdempotencyError):
     """The Python API was used in a way that cannot be right (e.g. an operation started
     inside an open transaction, or a block that ended without complete())."""
@@ -194,6 +208,8 @@ _BY_SQLSTATE: dict[str, type[IdempotencyError]] = {
     "IK004": AlreadyCompleted,
     "IK005": IsolationNotSupported,
     "IK020": PgCronNotInstalled,
+    "IK021": CitusNotInstalled,
+    "IK022": CitusNotCoordinator,
 }
 #: A lease-token call's IK003/IK004: the same condition seen by an attempt that held the key.
 _LEASE_LOST_BY_SQLSTATE: dict[str, type[LeaseLost]] = {

@@ -1,5 +1,6 @@
--- maintain(), phase 1: deletes the directory rows (see sql/tables/key_directory.sql) of the keys
--- or tombstones in one partition of parent ('keys' or 'tombstones') that are about to go, those
+-- maintain(), phase 1: deletes the directory rows (see sql/tables/key_directory.sql) of the keys,
+-- tombstones or messages in one partition of parent ('keys', 'tombstones' or 'inbox') that are
+-- about to go, those
 -- dated before "before" (the default partitions) or all of them (a ranged partition about to be
 -- dropped). A key that got a tombstone keeps its row, now pointing at the tombstone, until the
 -- tombstone goes. Returns how many rows it deleted.
@@ -25,6 +26,15 @@ BEGIN
             '                    AND t.created_at = d.created_at)',
             _drop_directory_rows.source)
         USING _drop_directory_rows.before;
+    ELSIF _drop_directory_rows.parent = 'inbox' THEN
+        -- A message's row: (consumer, sha256 of U+001F and the message id); see inbox_accept.
+        EXECUTE format(
+            'DELETE FROM idempotency.key_directory AS d USING idempotency.%I AS i '
+            'WHERE d.scope = i.consumer '
+            '  AND d.key_hash = idempotency._key_hash(chr(31) || i.message_id) '
+            '  AND d.created_at = i.received_at AND i.received_at < $1',
+            _drop_directory_rows.source)
+        USING _drop_directory_rows.before;
     ELSE
         EXECUTE format(
             'DELETE FROM idempotency.key_directory AS d USING idempotency.%I AS t '
@@ -39,5 +49,5 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency._drop_directory_rows(text, text, timestamptz) IS
-'Internal (maintain, phase 1): delete the key_directory rows of the keys or tombstones of
-partition source dated before "before"; returns how many.';
+'Internal (maintain, phase 1): delete the key_directory rows of the keys, tombstones or inbox
+messages of partition source dated before "before"; returns how many.';

@@ -43,7 +43,7 @@ BEGIN
                                               'must not be NULL');
     END IF;
     -- Two runs at once would only wait for each other's locks: the second one leaves at once.
-    -- Lock space 3 (1 and 2 are the key locks of keys and inbox, see _lock_name).
+    -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
     IF NOT pg_try_advisory_xact_lock(3, 0) THEN
         v_step.action := 'skipped';
         v_step.reason := 'another idempotency.maintain() run holds the maintenance lock';
@@ -83,13 +83,11 @@ BEGIN
                 RETURN NEXT v_step;
             END IF;
         END IF;
-        IF v_parent <> 'inbox' THEN
-            -- Their directory rows first (keys that got a tombstone just above keep theirs).
-            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
-                v_parent, v_parent || '_default',
-                CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
-                     THEN 'infinity' ELSE maintain.reference_time - v_window END);
-        END IF;
+        -- Their directory rows first (keys that got a tombstone just above keep theirs).
+        v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+            v_parent, v_parent || '_default',
+            CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
+                 THEN 'infinity' ELSE maintain.reference_time - v_window END);
         IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
             -- Tombstones off: an expired key is a new request, so forget them all.
             v_window := NULL;
@@ -137,13 +135,11 @@ BEGIN
                               v_part.upper_bound, v_count, 'before the partition is dropped');
                 RETURN NEXT v_step;
             END IF;
-            IF v_parent <> 'inbox' THEN
-                -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay
-                -- short. Should the DROP be skipped, these keys are past their retention and
-                -- a retry of one is a new request, as it would be once the partition is gone.
-                v_forgotten := v_forgotten + idempotency._drop_directory_rows(
-                    v_parent, v_part.partition_name, 'infinity');
-            END IF;
+            -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay short.
+            -- Should the DROP be skipped, these keys are past their retention and a retry of
+            -- one is a new request, as it would be once the partition is gone.
+            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                v_parent, v_part.partition_name, 'infinity');
             EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
             INTO v_count;
             v_drops := v_drops || ROW(
@@ -204,8 +200,8 @@ BEGIN
         RETURN NEXT v_step;
     END IF;
     IF NOT v_settings.manage_partitions THEN
-        -- pg_partman drops partitions of keys without telling: forget the directory rows that
-        -- point at no key and no tombstone any more (a claim would treat such a row as a new
+        -- pg_partman drops partitions of keys and inbox without telling: forget the directory
+        -- rows that point at no key, tombstone or message any more (a claim would treat such a row as a new
         -- key anyway; this only keeps the directory from growing). It reads the whole
         -- directory, so only in this mode.
         DELETE FROM idempotency.key_directory AS d
@@ -219,6 +215,11 @@ BEGIN
               SELECT FROM idempotency.tombstones AS t
               WHERE t.scope = d.scope AND t.key_hash = d.key_hash
                 AND t.created_at = d.created_at
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.inbox AS i
+              WHERE i.consumer = d.scope AND i.received_at = d.created_at
+                AND idempotency._key_hash(chr(31) || i.message_id) = d.key_hash
           );
         GET DIAGNOSTICS v_count = ROW_COUNT;
         IF v_count > 0 THEN

@@ -13,6 +13,8 @@
 -- created_at with one probe, so no call searches the partitions of keys.
 --
 -- The key is stored as its sha256, as in tombstones: the directory outlives the response.
+-- inbox_accept() keeps its messages here too, as (consumer, sha256 of U+001F || message id):
+-- one arbiter for both, and no key (which cannot hold U+001F) has the same hash.
 -- Retention: maintain() deletes the rows of the keys (or tombstones) it drops, in the same
 -- transaction as the drop (docs/maintenance.md). That is a DELETE of one small row per key,
 -- not of the responses: the keys themselves still go by partition drop.

@@ -10,12 +10,13 @@
 -- - release() keeps the row, in state released, so that the next owner's token is greater.
 -- - A wrong token gets IK001 whatever the key's state (no IK003 from the fenced calls; IK004
 --   only for the owner of a completed key).
+-- - inbox_accept() uses the same arbiter (a directory row per message) instead of a lock.
 -- - idempotency.distribute() spreads the schema over a Citus cluster.
 
 -- No call may use the tables while they change: sessions running the old functions wait here
 -- until this migration commits.
-LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory
-IN ACCESS EXCLUSIVE MODE;
+LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory,
+idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 
 ALTER TABLE idempotency.key_directory RENAME TO key_directory_0008;
 ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
@@ -25,11 +26,19 @@ INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
 FROM idempotency.key_directory_0008 AS d
 ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+-- The messages already in the inbox get their directory rows (see inbox_accept).
+INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
+SELECT DISTINCT ON (i.consumer, i.message_id)
+    i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
+FROM idempotency.inbox AS i
+ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
 DROP TABLE idempotency.key_directory_0008;
 DROP FUNCTION idempotency._make_directory_partitions(
     idempotency.settings, timestamptz, timestamptz
 );
 DROP FUNCTION idempotency._directory_window(idempotency.settings);
+-- The advisory lock of claim and inbox_accept is gone with them.
+DROP FUNCTION idempotency._lock_name(integer, text, text);
 
 -- @include functions/_new_token.sql
 -- @include functions/_key_hash.sql
@@ -47,6 +56,7 @@ DROP FUNCTION idempotency._directory_window(idempotency.settings);
 -- @replace functions/release.sql
 -- @replace functions/takeover.sql
 -- @replace functions/list_abandoned.sql
+-- @replace functions/inbox_accept.sql
 -- @replace functions/_partitions.sql
 -- @replace functions/_make_routes.sql
 -- @replace functions/_write_tombstones.sql
