@@ -39,8 +39,30 @@ $guard$;
 LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory,
 idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 
-ALTER TABLE idempotency.key_directory RENAME TO key_directory_0008;
-ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
+-- The rows move through a table of their own: the new key_directory is made after the old one
+-- is dropped, so that its constraints and index get the names a fresh install gives them.
+CREATE TABLE idempotency.key_directory_0009 AS
+SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
+FROM idempotency.key_directory AS d
+ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+-- Tables dumped with their data (pg_extension_config_dump) stay listed after a DROP: an
+-- extension install forgets them first, as _create_partition does for partitions.
+DO $forget$
+BEGIN
+    IF EXISTS (
+        SELECT FROM pg_depend AS d
+        INNER JOIN pg_extension AS e ON d.refobjid = e.oid
+        WHERE d.classid = 'pg_class'::regclass
+          AND d.objid = 'idempotency.key_directory_default'::regclass
+          AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
+          AND e.extname = 'pg_idempotency'
+    ) THEN
+        ALTER EXTENSION pg_idempotency DROP TABLE idempotency.key_directory_default;
+        ALTER EXTENSION pg_idempotency DROP SEQUENCE idempotency.lease_token_seq;
+    END IF;
+END
+$forget$;
+DROP TABLE idempotency.key_directory;
 -- sql/tables/key_directory.sql
 -- The arbiter of uniqueness and the map of where each key lives: one row per (scope, key) that
 -- has a row in idempotency.keys or a tombstone, giving that row's created_at.
@@ -78,16 +100,14 @@ REVOKE ALL ON idempotency.key_directory FROM public;
 
 -- One row per (scope, key_hash) already (claim held the key's lock to insert one).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
-FROM idempotency.key_directory_0008 AS d
-ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+SELECT d.scope, d.key_hash, d.created_at FROM idempotency.key_directory_0009 AS d;
+DROP TABLE idempotency.key_directory_0009;
 -- The messages already in the inbox get their directory rows (see inbox_accept).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (i.consumer, i.message_id)
     i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
 FROM idempotency.inbox AS i
 ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
-DROP TABLE idempotency.key_directory_0008;
 DROP FUNCTION idempotency._make_directory_partitions(
     idempotency.settings, timestamptz, timestamptz
 );
@@ -1563,7 +1583,7 @@ DECLARE
     v_blocked text[] := ARRAY[]::text[];
     v_step idempotency.maintenance_action;
     v_timeout text;
-    v_forgotten bigint := 0;
+    v_forgotten bigint := 0::bigint;
 BEGIN
     IF maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
@@ -1787,7 +1807,10 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
 BEGIN
+    -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
+    -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
     RETURN QUERY
+    SELECT s.* FROM (
     SELECT k.scope,
            k.state,
            count(*),
@@ -1808,7 +1831,9 @@ BEGIN
     FROM idempotency.tombstones AS t
     WHERE t.expires_at > v_now
     GROUP BY t.scope
-    ORDER BY 1, 2;
+    ) AS s (scope, state, keys, oldest_created_at, oldest_key, expired_leases,
+            oldest_expired_lease)
+    ORDER BY s.scope, s.state;
 END;
 $$;
 
@@ -2040,9 +2065,6 @@ DROP SEQUENCE idempotency.lease_token_seq;
 
 COMMENT ON TYPE idempotency.partition_status IS
 'One partition of keys, inbox or tombstones, as reported by idempotency.partition_status().';
-
-COMMENT ON TYPE idempotency.key_status IS
-'Keys of one scope in one state, as reported by idempotency.key_status().';
 
 -- _resume_row takes the new token as an argument now (Citus refuses volatile functions in an
 -- UPDATE); it and the other generated functions are made again with this version's text.

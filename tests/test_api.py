@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import tempfile
 from datetime import datetime, timedelta, timezone
 from typing import Any
@@ -54,11 +55,40 @@ def key_row(db: str, key: str) -> tuple[Any, ...] | None:
             (key,)).fetchone()
 
 
+def released_token(db: str, key: str) -> int:
+    """The lease token of a key that release() left in state released (no lease, no response,
+    its directory row kept); fails if the key is in any other state."""
+    with psycopg.connect(db) as conn:
+        row = conn.execute(
+            "SELECT k.state, k.lease_expires_at, k.response_status, k.response_body,"
+            "       k.lease_token, d.created_at = k.created_at"
+            " FROM idempotency.keys AS k"
+            " LEFT JOIN idempotency.key_directory AS d"
+            "   ON d.scope = k.scope AND d.key_hash = sha256(convert_to(k.key, 'UTF8'))"
+            " WHERE k.key = %s", (key,)).fetchone()
+    assert row is not None and row[:4] == ("released", None, None, None) and row[5] is True, row
+    return row[4]
+
+
+def assert_same_lease_lost(a: errors.LeaseLost, b: errors.LeaseLost) -> None:
+    """Two IK001 answers that tell nothing apart: same class, SQLSTATE, DETAIL and HINT, and the
+    same message once the token and the key it names are taken out."""
+    assert type(a) is type(b) is errors.LeaseLost and a.sqlstate == b.sqlstate == "IK001"
+    assert a.detail == b.detail and a.hint == b.hint and a.detail and a.hint
+
+    def shape(e: errors.LeaseLost) -> str:
+        return re.sub(r'^idempotency\.\w+: lease token \d+ is not the current one for key ".*" in ',
+                      "F: lease token T is not the current one for key K in ", str(e))
+
+    assert shape(a) == shape(b), (str(a), str(b))
+    assert shape(a).startswith("F: lease token T is not the current one for key K in scope ")
+
+
 async def insert(conn: Any, amount: int) -> None:
     await call(conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', %s)", (amount,)))
 
 
-async def test_every_outcome(flavour: Any) -> None:
+async def test_every_outcome(flavour: Any, db: str) -> None:
     api, conn = flavour
     t0 = datetime.now(timezone.utc)
     req = {"amount": 50, "currency": "EUR"}
@@ -105,16 +135,26 @@ async def test_every_outcome(flavour: Any) -> None:
         content_type="application/json", completed_at=done)
     assert replay.response.content == b'{"id":1}'
 
-    with pytest.raises(errors.AlreadyCompleted):
+    # only the owner's own token is told that the key is completed (IK004)...
+    with pytest.raises(errors.AlreadyCompleted) as own:
         await call(api.release(conn, "acct", "k1", resumed.lease_token))
-    with pytest.raises(errors.KeyNotFound):
-        await call(api.release(conn, "acct", "nope", 1))
+    assert isinstance(own.value, errors.LeaseLostCompleted) and own.value.sqlstate == "IK004"
+    # ...any other token gets the same IK001 for a completed key and for one never claimed
+    with pytest.raises(errors.LeaseLost) as on_completed:
+        await call(api.release(conn, "acct", "k1", first.lease_token))
+    with pytest.raises(errors.LeaseLost) as on_absent:
+        await call(api.release(conn, "acct", "nope", first.lease_token))
+    assert_same_lease_lost(on_completed.value, on_absent.value)
+    assert_same_lease_lost(on_completed.value, lost.value)  # and for one taken over
 
-    # bytes bodies keep their exact bytes and content type; a released key starts afresh
-    b = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x01" * 32))
-    await call(api.release(conn, "acct", "k2", b.lease_token))
+    # bytes bodies keep their exact bytes and content type; a released key starts afresh,
+    # under a token greater than the released owner's
+    b1 = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x01" * 32))
+    await call(api.release(conn, "acct", "k2", b1.lease_token))
+    assert released_token(db, "k2") == b1.lease_token
     b = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x02" * 32))
     assert b.outcome is idem.Outcome.CLAIMED and b.attempts == 1
+    assert b.lease_token > b1.lease_token
     await call(api.complete(conn, "acct", "k2", b.lease_token, 200, b"<p>hi</p>",
                             content_type="text/html"))
     again = await call(api.claim(conn, "acct", "k2", None, fingerprint=b"\x02" * 32))
@@ -220,10 +260,13 @@ async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
         async with _enter(api.operation(conn, "acct", "op2", {"v": 1})):
             await insert(conn, 1)
             1 / 0  # noqa: B018
-    assert key_row(db, "op2") is None and ledger_count(db) == 0
+    released = released_token(db, "op2")
+    assert key_row(db, "op2") == ("released", None, 1) and ledger_count(db) == 0
     async with _enter(api.operation(conn, "acct", "op2", {"v": 2})) as op:
-        assert op.outcome is idem.Outcome.CLAIMED
+        assert op.outcome is idem.Outcome.CLAIMED and op.attempts == 1
+        assert op.lease_token > released
         await call(op.complete(200, None))
+    assert key_row(db, "op2") == ("completed", None, 1)
 
     # after a checkpoint: the step's writes stay, later writes roll back, the key stays
     t0 = datetime.now(timezone.utc)
@@ -263,7 +306,8 @@ async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
     # error; after a checkpoint the same return keeps the key for a resume
     async with _enter(api.operation(conn, "acct", "op5", {})) as op:
         await insert(conn, 7)
-    assert op.released and key_row(db, "op5") is None and ledger_count(db) == 1
+    assert op.released and key_row(db, "op5") == ("released", None, 1) and ledger_count(db) == 1
+    assert released_token(db, "op5") == op.lease_token
     async with _enter(api.operation(conn, "acct", "op6", {})) as op:
         await call(op.checkpoint("step1"))
     assert not op.released and key_row(db, "op6") == ("in_progress", "step1", 1)
@@ -374,12 +418,16 @@ async def test_release_before_any_side_effect(any_conn: Any, db: str) -> None:
         assert op.released and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         with pytest.raises(idem.UsageError, match="released"):
             await call(op.complete(402, {"error": "declined"}))
-    assert key_row(db, "r1") is None
+    # the row stays, released (the recovery point is left as it was), until the next claim
+    assert key_row(db, "r1") == ("released", "asked_the_bank", 1)
+    released = released_token(db, "r1")
+    assert released == op.lease_token
     with psycopg.connect(db) as c:  # the checkpoint committed its write; the later one is gone
         assert c.execute("SELECT array_agg(amount) FROM ledger").fetchone()[0] == [1]
-    # a retry, even with another request, runs afresh
+    # a retry, even with another request, runs afresh, under a greater token
     async with _enter(api.operation(conn, "pay", "r1", {"card": "other"})) as op:
         assert op.outcome is idem.Outcome.CLAIMED and op.attempts == 1
+        assert op.lease_token > released
         await insert(conn, 3)
         await call(op.complete(201, {"ok": True}))
     assert key_row(db, "r1") == ("completed", None, 1) and ledger_count(db) == 2
@@ -394,7 +442,7 @@ async def test_a_stale_attempt_gets_the_lease_lost_family(any_conn: Any, db: str
     api, conn = any_conn
     t0 = datetime.now(timezone.utc)
 
-    async def stale(key: str, then: str) -> pytest.ExceptionInfo[idem.LeaseLost]:
+    async def stale(key: str, then: str) -> tuple[pytest.ExceptionInfo[idem.LeaseLost], int]:
         with pytest.raises(idem.LeaseLost) as lost:
             async with _enter(api.operation(conn, "acct", key, {"v": 1}, lease=1,
                                             reference_time=t0)) as op:
@@ -404,33 +452,58 @@ async def test_a_stale_attempt_gets_the_lease_lost_family(any_conn: Any, db: str
                     r = idem.claim(other, "acct", key, {"v": 1},
                                    reference_time=t0 + timedelta(seconds=2))
                     assert r.outcome is idem.Outcome.RESUMED
+                    assert r.lease_token > op.lease_token
                     if then == "complete":
                         idem.complete(other, "acct", key, r.lease_token, 201, {"id": 2},
                                       reference_time=t0 + timedelta(seconds=2))
                     else:
                         idem.release(other, "acct", key, r.lease_token)
                 await call(op.complete(201, {"id": 1}))
-        return lost
+        return lost, r.lease_token
 
-    done = await stale("done-elsewhere", "complete")
-    assert isinstance(done.value, idem.LeaseLostCompleted)
-    assert isinstance(done.value, idem.AlreadyCompleted) and done.value.sqlstate == "IK004"
-    gone = await stale("released-elsewhere", "release")
-    assert isinstance(gone.value, idem.LeaseLostNotFound)
-    assert isinstance(gone.value, idem.KeyNotFound) and gone.value.sqlstate == "IK003"
+    # a stale attempt is told the same IK001 whether the key was completed or released by
+    # the attempt that took it over (no oracle: it no longer owns the key, and that is all)
+    done, done_token = await stale("done-elsewhere", "complete")
+    gone, gone_token = await stale("released-elsewhere", "release")
+    assert_same_lease_lost(done.value, gone.value)
+    assert not isinstance(done.value, (idem.AlreadyCompleted, idem.KeyNotFound))
     assert ledger_count(db) == 0  # both business writes rolled back
     assert key_row(db, "done-elsewhere") == ("completed", None, 2)
-    assert key_row(db, "released-elsewhere") is None
-    # the low-level calls that take a token raise the family too; takeover does not
-    with pytest.raises(idem.LeaseLostCompleted):
-        await call(api.heartbeat(conn, "acct", "done-elsewhere", 1))
+    assert key_row(db, "released-elsewhere") == ("released", None, 2)
+    assert released_token(db, "released-elsewhere") == gone_token
+    # the low-level calls that take a token raise the family too: IK004 (LeaseLostCompleted)
+    # only with the token that completed the key, IK001 with any other; takeover does not
+    with pytest.raises(idem.LeaseLostCompleted) as own:
+        await call(api.heartbeat(conn, "acct", "done-elsewhere", done_token))
+    assert isinstance(own.value, idem.AlreadyCompleted) and own.value.sqlstate == "IK004"
+    if not conn.autocommit:
+        await call(conn.rollback())
+    with pytest.raises(idem.LeaseLost) as other_token:
+        await call(api.heartbeat(conn, "acct", "done-elsewhere", done_token - 1))
+    assert_same_lease_lost(other_token.value, done.value)
+    if not conn.autocommit:
+        await call(conn.rollback())
+    with pytest.raises(idem.LeaseLost) as on_released:
+        await call(api.heartbeat(conn, "acct", "released-elsewhere", gone_token))
+    assert_same_lease_lost(on_released.value, done.value)
     if not conn.autocommit:
         await call(conn.rollback())
     with pytest.raises(idem.KeyNotFound) as missing:
         await call(api.takeover(conn, "acct", "never-claimed"))
-    assert not isinstance(missing.value, idem.LeaseLost)
+    assert not isinstance(missing.value, idem.LeaseLost) and missing.value.sqlstate == "IK003"
     if not conn.autocommit:
         await call(conn.rollback())
+    # a released key has no owner to take over from (IK003 too); a claim starts it afresh
+    with pytest.raises(idem.KeyNotFound) as released:
+        await call(api.takeover(conn, "acct", "released-elsewhere"))
+    assert not isinstance(released.value, idem.LeaseLost) and released.value.sqlstate == "IK003"
+    if not conn.autocommit:
+        await call(conn.rollback())
+    again = await call(api.claim(conn, "acct", "released-elsewhere", {"v": 1}))
+    assert again.outcome is idem.Outcome.CLAIMED and again.attempts == 1
+    assert again.lease_token > gone_token
+    if not conn.autocommit:
+        await call(conn.commit())
 
 
 def _public(obj: Any) -> dict[str, Any]:

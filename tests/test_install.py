@@ -198,7 +198,7 @@ def test_applying_the_migrations_twice_fails_loudly_and_changes_nothing(
 # -- CREATE EXTENSION ---------------------------------------------------------------------------
 
 
-PARTITION_RE = r"(keys|inbox|key_directory)_p\d{8}"
+PARTITION_RE = r"(keys|inbox)_p\d{8}"
 
 MEMBERSHIP_SQL = """
 SELECT c.relname,
@@ -220,17 +220,16 @@ def test_extension_lifecycle_and_partition_membership(server: PgServer, empty_db
         # ones); docs/install.md has the operator run _premake() next.
         members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
         assert not [n for n in members if re.fullmatch(PARTITION_RE, n)], members
-        assert conn.execute("SELECT idempotency._premake()").fetchone()[0] == 10
+        assert conn.execute("SELECT idempotency._premake()").fetchone()[0] == 8
         run_lifecycle(conn, "ext")
         members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
         partitions = {n for n in members if re.fullmatch(PARTITION_RE, n)}
-        # today and 3 ahead, for keys and inbox; the directory's window and the next one
-        assert len(partitions) == 10, members
+        # today and 3 ahead, for keys and inbox (the directory has no partitions since 0.9.0)
+        assert len(partitions) == 8, members
         assert not any(members[p] for p in partitions), (
             f"partitions must not be extension members (pg_dump would skip their rows): "
             f"{members}")
-        for code in ("keys", "inbox", "settings", "migrations", "lease_token_seq",
-                     "key_directory", "key_directory_default"):
+        for code in ("keys", "inbox", "settings", "migrations", "key_directory"):
             assert members[code], f"{code} should belong to the extension: {members}"
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE tableoid::regclass::text "
                             "~ '^idempotency.keys_p'").fetchone()[0] == 2
@@ -250,15 +249,12 @@ def test_extension_keys_in_the_default_partition_are_moved_by_maintain(
         steps = conn.execute("SELECT action, parent_table, row_count FROM idempotency.maintain()"
                              ).fetchall()
         assert ("moved", "keys", 2) in steps and ("moved", "inbox", 1) in steps, steps
-        # 3 ahead for keys and inbox, and the directory's two, the first with the 2 rows its
-        # default partition held
-        assert len([s for s in steps if s[0] == "created"]) == 8, steps
-        assert ("created", "key_directory", 2) in steps, steps
-        for default in ("keys_default", "key_directory_default"):
-            assert conn.execute(f"SELECT count(*) FROM idempotency.{default}").fetchone()[0] == 0
+        # 3 ahead for keys and inbox
+        assert len([s for s in steps if s[0] == "created"]) == 6, steps
+        assert conn.execute("SELECT count(*) FROM idempotency.keys_default").fetchone()[0] == 0
         members = dict(conn.execute(MEMBERSHIP_SQL).fetchall())
         partitions = [n for n in members if re.fullmatch(PARTITION_RE, n)]
-        assert len(partitions) == 10 and not any(members[p] for p in partitions), members
+        assert len(partitions) == 8 and not any(members[p] for p in partitions), members
         run_lifecycle(conn, "ext2")
 
 
@@ -371,12 +367,12 @@ def test_extension_dump_keeps_fencing_tokens_increasing(dumped: Dumped) -> None:
                             ).fetchone()[0] == dumped.tokens["k-stale"]
         outcome, token, *_ = conn.execute(LIFECYCLE_CLAIM, ("dump", "k-stale", Jsonb({"a": 3}))
                                           ).fetchone()
-        fresh = conn.execute(LIFECYCLE_CLAIM, ("dump", "k-new", Jsonb({}))).fetchone()[1]
+    # Tokens grow per key from the row's own token (since 0.9.0 there is no sequence whose
+    # position a restore could lose), so the takeover's token is above the stale owner's.
     assert outcome == "resumed"
-    assert token > dumped.tokens["k-stale"] and fresh > dumped.tokens["max"], (
-        f"after restore, lease_token_seq restarted: takeover of k-stale got token {token} "
-        f"(stale owner holds {dumped.tokens['k-stale']}), a new claim got {fresh} "
-        f"(max token before the dump {dumped.tokens['max']})")
+    assert token > dumped.tokens["k-stale"], (
+        f"after restore, takeover of k-stale got token {token} "
+        f"(stale owner holds {dumped.tokens['k-stale']})")
 
 
 def test_extension_dump_keeps_the_inbox(dumped: Dumped) -> None:
@@ -435,9 +431,10 @@ def test_least_privilege_login_role(db: str, app_role: str) -> None:
             "created_at) VALUES ('app', 'forged', '\\x00', 'completed', 1, now())", "42501")
         expect_sqlstate(app, "UPDATE idempotency.keys SET state = 'completed'", "42501")
         expect_sqlstate(app, "DELETE FROM idempotency.inbox", "42501")
-        expect_sqlstate(app, "SELECT nextval('idempotency.lease_token_seq')", "42501")
+        expect_sqlstate(app, "SELECT * FROM idempotency.key_directory", "42501")
         expect_sqlstate(app, "SELECT idempotency._premake(now())", "42501")
-        expect_sqlstate(app, "SELECT idempotency._lock_name(1, 'a', 'b')", "42501")
+        expect_sqlstate(app, "SELECT idempotency._new_token(1)", "42501")
+        expect_sqlstate(app, "SELECT idempotency.distribute()", "42501")
         # A fenced write with a token that is not the owner's still raises the documented code.
         expect_sqlstate(app, "SELECT idempotency.complete('app', 'k3', 1, 200, '{}')", "IK001")
     with psycopg.connect(db) as conn:
@@ -599,6 +596,8 @@ CREATE FUNCTION evil.pg_advisory_xact_lock(integer, integer) RETURNS void LANGUA
 CREATE FUNCTION evil.clock_timestamp() RETURNS timestamptz LANGUAGE sql
     RETURN '2000-01-01 00:00:00+00'::timestamptz;
 CREATE FUNCTION evil.nextval(regclass) RETURNS bigint LANGUAGE sql RETURN 1;
+CREATE FUNCTION evil.gen_random_uuid() RETURNS uuid LANGUAGE sql
+    RETURN '00000000-0000-4000-8000-000000000000'::uuid;
 CREATE FUNCTION evil.yes(bytea, bytea) RETURNS boolean LANGUAGE sql RETURN true;
 CREATE FUNCTION evil.no(bytea, bytea) RETURNS boolean LANGUAGE sql RETURN false;
 CREATE FUNCTION evil.cat(text, text) RETURNS text LANGUAGE sql RETURN 'x';
@@ -637,7 +636,10 @@ def test_claims_are_correct_under_a_hostile_search_path(server: PgServer, db: st
         assert evil.execute(LIFECYCLE_CLAIM, ("hostile", "k1", Jsonb(equivalent))
                             ).fetchone() == ("replay", None, 200, {"X-A": "b"}, {"ok": 1})
         second = evil.execute(LIFECYCLE_CLAIM, ("hostile", "k2", Jsonb({}))).fetchone()[1]
-        assert second > token
+        # The tokens' random low bits come from pg_catalog.gen_random_uuid(), not from the
+        # shadow (all zeros), and their high bits from the real clock (seconds since 2024).
+        assert token & 0xFFFFFFFF and second & 0xFFFFFFFF and token != second
+        assert abs((second >> 32) - (time.time() - 1704067200)) < 600
         run_lifecycle(evil, "hostile2")
 
         # The key lock is the real one: a claim of a key held by an open transaction waits.

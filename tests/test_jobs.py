@@ -143,10 +143,16 @@ def test_a_crash_between_enqueue_and_accept_leaves_neither(qdb: str) -> None:
         with pytest.raises(RuntimeError, match="crash between"):
             request(conn, "k3", crash=True)
         assert conn.execute(f"SELECT count(*) FROM pgmq.q_{QUEUE}").fetchone()[0] == 0
-        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'k3'"
-                            ).fetchone()[0] == 0  # released: nothing had happened
-        # The retry starts cleanly: a new claim, one job, the 202.
+        key_k3 = ("SELECT state, lease_token, attempts, response_status "
+                  "FROM idempotency.keys WHERE key = 'k3'")
+        [released] = conn.execute(key_k3).fetchall()  # released: nothing had happened
+        assert released[0] == "released" and released[3] is None
+        # The retry starts cleanly: a new claim (a greater token, the first attempt), one job,
+        # the 202.
         assert request(conn, "k3") == (202, {"status_url": "/captures/k3", "state": "pending"})
+        [claimed] = conn.execute(key_k3).fetchall()
+        assert claimed[0] == "in_progress" and claimed[1] > released[1]
+        assert claimed[2:] == (1, 202)
         assert conn.execute(f"SELECT count(*) FROM pgmq.q_{QUEUE}").fetchone()[0] == 1
         with psycopg.connect(qdb, autocommit=True) as wconn, \
                 psycopg.connect(qdb, autocommit=True) as hconn:

@@ -83,11 +83,16 @@ async def test_replay_400_401_422(db: str) -> None:
         assert bad.status_code == 422 and "idempotent-replayed" not in bad.headers
         again_bad = await post(client, "k2", {"amount": -1})
         assert again_bad.status_code == 422 and "idempotent-replayed" not in again_bad.headers
+        key_k2 = ("SELECT state, lease_expires_at, response_status, lease_token "
+                  "FROM idempotency.keys WHERE key = 'k2'")
         with psycopg.connect(db) as conn:
-            assert conn.execute("SELECT 1 FROM idempotency.keys WHERE key = 'k2'").fetchone() \
-                is None
+            [released] = conn.execute(key_k2).fetchall()  # kept for the next claim, released
+        assert released[:3] == ("released", None, None)
         fixed = await post(client, "k2", {"amount": 60})
         assert fixed.status_code == 201 and "idempotent-replayed" not in fixed.headers
+        with psycopg.connect(db) as conn:  # claimed afresh, under a greater token
+            [done] = conn.execute(key_k2).fetchall()
+        assert done[:3] == ("completed", None, 201) and done[3] > released[3]
 
         located = await client.get(first.headers["location"], headers=ACCT)
         assert located.status_code == 200 and located.json() == first.json()

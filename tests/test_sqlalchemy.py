@@ -61,6 +61,19 @@ def key_state(db: str, key: str) -> tuple[Any, ...] | None:
                             "FROM idempotency.keys WHERE key = %s", (key,)).fetchone()
 
 
+#: key_state() of a key that release() left for the next claim (in state released).
+RELEASED = (False, None)
+
+
+def released_token(db: str, key: str) -> int:
+    """The token of a released key (its row kept, no lease, no response); fails otherwise."""
+    with psycopg.connect(db) as conn:
+        row = conn.execute("SELECT state, lease_expires_at, response_status, lease_token "
+                           "FROM idempotency.keys WHERE key = %s", (key,)).fetchone()
+    assert row is not None and row[:3] == ("released", None, None), row
+    return row[3]
+
+
 def test_session_operation_commits_writes_with_the_response(engine: Engine, db: str) -> None:
     with Session(engine) as session:
         with operation(session, "acct", "k1", {"amount": 5}) as op:
@@ -83,11 +96,13 @@ def test_session_operation_error_rolls_back_and_releases(engine: Engine, db: str
             session.add(Entry(note="lost"))
             session.flush()  # in the database, inside the business transaction
             raise RuntimeError("boom")
-        assert key_state(db, "k2") is None  # released: a retry runs afresh
+        released = released_token(db, "k2")  # released: a retry runs afresh
         with operation(session, "acct", "k2", {"n": 1}) as op:
+            assert op.outcome.value == "claimed" and op.attempts == 1
+            assert op.lease_token > released
             session.add(Entry(note="kept"))
             op.complete(201)
-    assert notes(db) == ["kept"]
+    assert notes(db) == ["kept"] and key_state(db, "k2") == (True, 201)
 
 
 def test_commit_on_another_session_is_refused(engine: Engine, db: str) -> None:
@@ -97,7 +112,7 @@ def test_commit_on_another_session_is_refused(engine: Engine, db: str) -> None:
             other.add(Entry(note="foreign"))
             other.commit()
         other.rollback()  # as after any failed commit (SQLAlchemy insists)
-        assert key_state(db, "k3") is None
+        assert key_state(db, "k3") == RELEASED and released_token(db, "k3") > 0
         # and the foreign session's connection went back clean: nothing leaks into later work
         other.add(Entry(note="after"))
         other.commit()
@@ -111,7 +126,7 @@ def test_committing_the_operations_own_session_is_refused(engine: Engine, db: st
         with pytest.raises(ForeignCommitError), operation(session, "acct", "k4", {}):
             session.add(Entry(note="early"))
             session.commit()
-        assert key_state(db, "k4") is None
+        assert key_state(db, "k4") == RELEASED and released_token(db, "k4") > 0
     assert notes(db) == []
 
 
@@ -165,7 +180,8 @@ async def test_async_session_operation_and_refusal(db: str) -> None:
                         await other.commit()
     finally:
         await eng.dispose()
-    assert notes(db) == ["async"] and key_state(db, "a2") is None
+    assert notes(db) == ["async"] and key_state(db, "a2") == RELEASED
+    assert released_token(db, "a2") > 0
 
 
 @pytest.mark.anyio

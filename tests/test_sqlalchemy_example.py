@@ -53,12 +53,21 @@ def rows(dsn: str) -> list[tuple[Any, ...]]:
         return conn.execute("SELECT account, amount FROM sa_ledger ORDER BY id").fetchall()
 
 
-def key_rows(dsn: str, key: str) -> int:
+def key_rows(dsn: str, key: str) -> list[tuple[str, int]]:
+    """(state, lease_token) of the key's rows."""
     with psycopg.connect(dsn) as conn:
-        row = conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = %s",
-                           (key,)).fetchone()
-        assert row is not None
-        return int(row[0])
+        return [(r[0], r[1]) for r in conn.execute(
+            "SELECT state, lease_token FROM idempotency.keys WHERE key = %s", (key,))]
+
+
+def released_token(dsn: str, key: str) -> int:
+    """The token of a key release() left for the next claim (one row, state released, no lease
+    and no response); fails otherwise."""
+    with psycopg.connect(dsn) as conn:
+        rows = conn.execute("SELECT state, lease_expires_at, response_status, lease_token "
+                            "FROM idempotency.keys WHERE key = %s", (key,)).fetchall()
+    assert len(rows) == 1 and rows[0][:3] == ("released", None, None), rows
+    return int(rows[0][3])
 
 
 def test_8_concurrent_identical_requests_over_uvicorn(db: str) -> None:
@@ -85,9 +94,12 @@ async def test_crash_after_the_sessions_commit_then_retry(db: str) -> None:
         crashed = await pay(client, "k-crash", {"amount": 20})
         assert crashed.status_code == 500
         assert rows(db) == []  # the session's commit was a savepoint: rolled back
-        assert key_rows(db, "k-crash") == 0  # released: nothing can have happened
+        released = released_token(db, "k-crash")  # released: nothing can have happened
         retry = await pay(client, "k-crash", {"amount": 20})
         assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        # the retry claimed it afresh, under a greater token, and completed it
+        [(state, token)] = key_rows(db, "k-crash")
+        assert state == "completed" and token > released
         again = await pay(client, "k-crash", {"amount": 20})
         assert again.content == retry.content and again.headers["idempotent-replayed"] == "true"
         located = await client.get(retry.headers["location"], headers=ACCT)
@@ -116,9 +128,11 @@ async def test_validation_error_is_not_stored(db: str) -> None:
     async with lifespan(app), asgi_client(app) as client:
         bad = await pay(client, "k-bad", {"amount": -1})
         assert bad.status_code == 422 and "idempotent-replayed" not in bad.headers
-        assert key_rows(db, "k-bad") == 0
+        released = released_token(db, "k-bad")
         fixed = await pay(client, "k-bad", {"amount": 1})
         assert fixed.status_code == 201, fixed.text
+        [(state, token)] = key_rows(db, "k-bad")
+        assert state == "completed" and token > released
     assert rows(db) == [("acct_42", 1)]
 
 
@@ -144,7 +158,7 @@ async def test_the_apps_usual_session_is_refused(db: str) -> None:
         refused = await pay(client, "k-usual", {"amount": 99}, path="/usual")
         assert refused.status_code == 500
         assert seen == ["ForeignCommitError"]
-        assert key_rows(db, "k-usual") == 0
+        assert released_token(db, "k-usual") > 0
         # outside an operation the usual session commits as always
         async with app.state.sessions() as session:
             session.add(example.LedgerEntry(account="acct_7", amount=1, currency="EUR"))

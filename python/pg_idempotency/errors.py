@@ -32,12 +32,14 @@ the caller as psycopg raised them.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 
 import psycopg
 
 __all__ = [
-    "AlreadyCompleted", "ArgumentConflict", "CitusNotCoordinator", "CitusNotInstalled", "ArgumentEmpty", "ArgumentInvalidCharacters",
+    "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
+    "CitusNotCoordinator", "CitusNotInstalled",
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
@@ -229,6 +231,10 @@ _INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
 }
 
 
+#: 'idempotency.claim: argument "scope" must not be NULL' (sql/functions/_invalid_argument.sql).
+_ARGUMENT_RE = re.compile(r': argument "([a-z_]+)" ')
+
+
 def invalid_argument(function: str, argument: str | None, sqlstate: str,
                      problem: str) -> InvalidArgument:
     """The :class:`InvalidArgument` subclass for ``sqlstate`` (the base class for a code that
@@ -251,5 +257,11 @@ def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
         return _BY_SQLSTATE[state](message, **extra)
     if state in _INVALID_BY_SQLSTATE:
         function = message.split(":", 1)[0] if ":" in message else ""
-        return _INVALID_BY_SQLSTATE[state](function, diag.column_name, state, message, **extra)
+        # The COLUMN field names the argument; Citus passes an error raised on a worker on
+        # without it (docs/scale-out.md), and the message names it too.
+        argument = diag.column_name
+        if argument is None:
+            found = _ARGUMENT_RE.search(message)
+            argument = found.group(1) if found else None
+        return _INVALID_BY_SQLSTATE[state](function, argument, state, message, **extra)
     return exc

@@ -12,7 +12,10 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
 BEGIN
+    -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
+    -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
     RETURN QUERY
+    SELECT s.* FROM (
     SELECT k.scope,
            k.state,
            count(*),
@@ -33,7 +36,9 @@ BEGIN
     FROM idempotency.tombstones AS t
     WHERE t.expires_at > v_now
     GROUP BY t.scope
-    ORDER BY 1, 2;
+    ) AS s (scope, state, keys, oldest_created_at, oldest_key, expired_leases,
+            oldest_expired_lease)
+    ORDER BY s.scope, s.state;
 END;
 $$;
 

@@ -36,7 +36,7 @@ DECLARE
     v_blocked text[] := ARRAY[]::text[];
     v_step idempotency.maintenance_action;
     v_timeout text;
-    v_forgotten bigint := 0;
+    v_forgotten bigint := 0::bigint;
 BEGIN
     IF maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',

@@ -1,7 +1,7 @@
 -- One row of idempotency.key_status(): the keys of one scope in one state.
 CREATE TYPE idempotency.key_status AS (
     scope text,
-    -- in_progress | completed | tombstone
+    -- in_progress | completed | released | tombstone
     state text,
     keys bigint,
     oldest_created_at timestamptz,

@@ -1,6 +1,6 @@
 -- One row of idempotency.partition_status(): one partition and when maintain() will drop it.
 CREATE TYPE idempotency.partition_status AS (
-    -- keys | inbox | tombstones | key_directory
+    -- keys | inbox | tombstones
     parent_table text,
     partition_name text,
     -- NULL for the default partition.
@@ -18,5 +18,4 @@ CREATE TYPE idempotency.partition_status AS (
 );
 
 COMMENT ON TYPE idempotency.partition_status IS
-'One partition of keys, inbox, tombstones or key_directory, as reported by
-idempotency.partition_status().';
+'One partition of keys, inbox or tombstones, as reported by idempotency.partition_status().';

@@ -18,21 +18,41 @@
 LOCK TABLE idempotency.keys, idempotency.tombstones, idempotency.key_directory,
 idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 
-ALTER TABLE idempotency.key_directory RENAME TO key_directory_0008;
-ALTER INDEX idempotency.key_directory_pkey RENAME TO key_directory_0008_pkey;
+-- The rows move through a table of their own: the new key_directory is made after the old one
+-- is dropped, so that its constraints and index get the names a fresh install gives them.
+CREATE TABLE idempotency.key_directory_0009 AS
+SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
+FROM idempotency.key_directory AS d
+ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+-- Tables dumped with their data (pg_extension_config_dump) stay listed after a DROP: an
+-- extension install forgets them first, as _create_partition does for partitions.
+DO $forget$
+BEGIN
+    IF EXISTS (
+        SELECT FROM pg_depend AS d
+        INNER JOIN pg_extension AS e ON d.refobjid = e.oid
+        WHERE d.classid = 'pg_class'::regclass
+          AND d.objid = 'idempotency.key_directory_default'::regclass
+          AND d.refclassid = 'pg_extension'::regclass AND d.deptype = 'e'
+          AND e.extname = 'pg_idempotency'
+    ) THEN
+        ALTER EXTENSION pg_idempotency DROP TABLE idempotency.key_directory_default;
+        ALTER EXTENSION pg_idempotency DROP SEQUENCE idempotency.lease_token_seq;
+    END IF;
+END
+$forget$;
+DROP TABLE idempotency.key_directory;
 -- @include tables/key_directory.sql
 -- One row per (scope, key_hash) already (claim held the key's lock to insert one).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
-FROM idempotency.key_directory_0008 AS d
-ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
+SELECT d.scope, d.key_hash, d.created_at FROM idempotency.key_directory_0009 AS d;
+DROP TABLE idempotency.key_directory_0009;
 -- The messages already in the inbox get their directory rows (see inbox_accept).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (i.consumer, i.message_id)
     i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
 FROM idempotency.inbox AS i
 ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
-DROP TABLE idempotency.key_directory_0008;
 DROP FUNCTION idempotency._make_directory_partitions(
     idempotency.settings, timestamptz, timestamptz
 );
@@ -69,9 +89,6 @@ DROP SEQUENCE idempotency.lease_token_seq;
 
 COMMENT ON TYPE idempotency.partition_status IS
 'One partition of keys, inbox or tombstones, as reported by idempotency.partition_status().';
-
-COMMENT ON TYPE idempotency.key_status IS
-'Keys of one scope in one state, as reported by idempotency.key_status().';
 
 -- _resume_row takes the new token as an argument now (Citus refuses volatile functions in an
 -- UPDATE); it and the other generated functions are made again with this version's text.
