@@ -439,6 +439,79 @@ def test_python_operation_against_the_coordinator(citus: Cluster, ledger: str) -
                             (scope,)).fetchall() == [("order-1",), ("order-2",)]
 
 
+def test_sqlalchemy_session_against_the_coordinator(citus: Cluster, ledger: str) -> None:
+    """pg_idempotency.sqlalchemy: an ORM session's write to the co-located ledger commits with
+    the response; a retry replays; an error rolls the write back and releases the key."""
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.orm import Session
+
+    from pg_idempotency.sqlalchemy import operation as sa_operation
+
+    scope = _scope()
+    engine = create_engine("postgresql+psycopg://" + citus.dsn.split("://", 1)[1])
+    try:
+        insert = text("INSERT INTO ledger VALUES (:a, :p, 9)")
+        with Session(engine) as session:
+            with sa_operation(session, scope, "sa-1", {"n": 1}) as op:
+                assert op.replay is None
+                session.execute(insert, {"a": scope, "p": "sa-1"})
+                op.complete(201, {"ok": True})
+            with sa_operation(session, scope, "sa-1", {"n": 1}) as op:
+                assert op.replay is not None and op.replay.json() == {"ok": True}
+            with pytest.raises(RuntimeError), sa_operation(session, scope, "sa-2", {"n": 2}):
+                session.execute(insert, {"a": scope, "p": "sa-2"})
+                raise RuntimeError("boom")
+    finally:
+        engine.dispose()
+    with psycopg.connect(citus.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT payment FROM ledger WHERE account = %s",
+                            (scope,)).fetchall() == [("sa-1",)]
+        assert conn.execute("SELECT key, state FROM idempotency.keys WHERE scope = %s"
+                            " ORDER BY key", (scope,)).fetchall() == [
+            ("sa-1", "completed"), ("sa-2", "released")]
+
+
+def test_asgi_middleware_through_the_coordinator(citus_cluster: Any) -> None:
+    """The FastAPI payments example (examples/payments/app.py), unchanged, with its DSN pointing
+    at the coordinator: 30 concurrent identical POSTs through a real uvicorn server give one
+    ledger row and one charge, 29 byte-identical replays. Its ledger is a plain table on the
+    coordinator, so its insert and the delegated complete() commit by two-phase commit."""
+    import asyncio
+
+    import httpx
+
+    from payments_helpers import payments, uvicorn_server
+
+    db = f"idem_mw_{uuid.uuid4().hex[:8]}"
+    citus_cluster.create_database(db)
+    c = Cluster(citus_cluster, db)
+    for migration in sorted(MIGRATIONS.glob("*.sql")):
+        c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
+    with psycopg.connect(c.dsn, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+    processor = payments.FakeProcessor(delay=0.3)
+    app = payments.create_app(c.dsn, processor, wait=20)
+
+    async def fire(base: str) -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=base, timeout=60,
+                                     limits=httpx.Limits(max_connections=30)) as client:
+            return await asyncio.gather(*(client.post(
+                "/payments", json={"amount": 70, "currency": "EUR"},
+                headers={"X-Account": "acct_citus", "Idempotency-Key": "same"})
+                for _ in range(30)))
+
+    with uvicorn_server(app) as base:
+        responses = asyncio.run(fire(base))
+    assert [r.status_code for r in responses] == [201] * 30, [r.text for r in responses]
+    assert len({r.content for r in responses}) == 1
+    assert sum(r.headers.get("idempotent-replayed") == "true" for r in responses) == 29
+    assert processor.calls == 1
+    with psycopg.connect(c.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM ledger").fetchone() == (1,)
+        assert conn.execute("SELECT state FROM idempotency.keys WHERE scope = 'acct_citus'"
+                            ).fetchall() == [("completed",)]
+
+
 # -- operations ------------------------------------------------------------------------------
 
 def test_maintain_and_status_through_the_coordinator(citus: Cluster) -> None:

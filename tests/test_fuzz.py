@@ -9,7 +9,10 @@ test clocks, wrong and other keys' lease tokens, other scopes' keys. After every
 * a failed call raised a SQLSTATE listed in docs/errors.md, and changed nothing (the keys,
   key_directory, tombstones and inbox tables are compared before and after);
 * one row per (scope, key) in keys and key_directory, each key with its directory row;
-* every key is in_progress or completed, and a completed key has a response;
+* every key is in_progress, completed or released; a completed key has a response, a released
+  one neither a lease nor a response;
+* no oracle: IK003 comes only from takeover(), and IK004 only to the caller whose token is the
+  completed key's own (every other wrong token gets IK001);
 * a claim that returned a stored response (replay, accepted) was given the request, or the
   fingerprint, the key was claimed with: no role reads a key it did not present.
 
@@ -109,10 +112,15 @@ SELECT
                        WHERE d.scope = k.scope AND d.key_hash = sha256(convert_to(k.key, 'UTF8'))
                          AND d.created_at = k.created_at)),
     (SELECT count(*) FROM idempotency.keys AS k
-     WHERE k.state IS DISTINCT FROM 'in_progress' AND k.state IS DISTINCT FROM 'completed'),
+     WHERE k.state IS NULL OR k.state NOT IN ('in_progress', 'completed', 'released')),
     (SELECT count(*) FROM idempotency.keys AS k
-     WHERE k.state = 'completed' AND k.response_status IS NULL)
+     WHERE k.state = 'completed' AND k.response_status IS NULL),
+    (SELECT count(*) FROM idempotency.keys AS k
+     WHERE k.state = 'released'
+       AND (k.lease_expires_at IS NOT NULL OR k.response_status IS NOT NULL))
 """
+#: The functions that take a lease token, and where it is among their arguments.
+FENCED = ("checkpoint", "heartbeat", "complete", "complete_bytes", "accept", "release")
 
 
 # The values each list starts with that a well-behaved caller passes; pick() takes one of them
@@ -206,6 +214,14 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
                     assert state not in ("P0001", "XX000"), (where, fn, str(err)[:300])
                     after = owner.execute(SNAPSHOT).fetchone()
                     assert after == before, (where, kind, fn, "a failed call changed rows")
+                    # No oracle: a key's state is told only to its owner.
+                    assert state != "IK003" or fn == "takeover", (where, fn, str(err)[:300])
+                    if state == "IK004":
+                        assert fn in FENCED, (where, fn, str(err)[:300])
+                        assert owner.execute(
+                            "SELECT k.state, k.lease_token FROM idempotency.keys AS k "
+                            "WHERE k.scope = %s AND k.key = %s", args[:2]).fetchone() == (
+                            "completed", int(args[2])), (where, fn, args, "IK004 to a stranger")
                     continue
                 seen["ok"] = seen.get("ok", 0) + 1
                 if fn in ("claim", "takeover") and rows:
@@ -225,12 +241,13 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
                             (given, args[2], args[0], args[1])).fetchone()
                         assert stored == presented, (where, "replay without the request")
                 bad = owner.execute(INVARIANTS).fetchone()
-                assert bad == (0, 0, 0, 0, 0), (where, kind, fn, args, bad)
+                assert bad == (0, 0, 0, 0, 0, 0), (where, kind, fn, args, bad)
         finally:
             for conn in conns.values():
                 conn.close()
     # The fuzz reached both sides: successes and refusals of several kinds.
     assert seen.get("ok", 0) > FUZZ_CALLS // 20, seen
     assert failures > FUZZ_CALLS // 4, seen
-    assert {"IK001", "IK003", "IK010", "IK011", "IK012", "42501", "claim:replay"} <= set(seen), seen
+    assert {"IK001", "IK003", "IK004", "IK010", "IK011", "IK012", "42501",
+            "claim:replay"} <= set(seen), seen
     print(f"fuzz seed {SEED}: {FUZZ_CALLS} calls, {seen}")

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
 from enum import Enum
-from typing import Any, Concatenate, ParamSpec, TypeVar, overload
+from typing import Any, Concatenate, Final, ParamSpec, TypeVar, overload
 
 import psycopg
 from psycopg.pq import PipelineStatus, TransactionStatus
@@ -40,6 +40,7 @@ from .errors import (
     LeaseLost,
     UsageError,
     from_psycopg,
+    invalid_argument,
 )
 from .fingerprint import canonical_json, derive_key
 
@@ -236,6 +237,20 @@ class AbandonedKey:
 
 # -- what the generators ask the drivers for -------------------------------------------------
 
+#: The calls Citus delegates by their first argument (docs/scale-out.md), with its name. A NULL
+#: there crashes a Citus 14.0.1 node's backend before the function can refuse it, so the
+#: package refuses it first, with the engine's own error (IK010), and sends nothing.
+_DELEGATED_BY: Final = {
+    Q.CLAIM: ("idempotency.claim", "scope"), Q.TAKEOVER: ("idempotency.takeover", "scope"),
+    Q.CHECKPOINT: ("idempotency.checkpoint", "scope"),
+    Q.HEARTBEAT: ("idempotency.heartbeat", "scope"),
+    Q.COMPLETE: ("idempotency.complete", "scope"),
+    Q.COMPLETE_BYTES: ("idempotency.complete_bytes", "scope"),
+    Q.ACCEPT: ("idempotency.accept", "scope"), Q.RELEASE: ("idempotency.release", "scope"),
+    Q.INBOX_ACCEPT: ("idempotency.inbox_accept", "consumer"),
+}
+
+
 @dataclass(frozen=True)
 class _Query:
     sql: str
@@ -249,6 +264,11 @@ class _Query:
     alone: bool = False
     #: Commit right after it, in the same round trip (a psycopg pipeline) when libpq can.
     commit: bool = False
+
+    def __post_init__(self) -> None:
+        delegated = _DELEGATED_BY.get(self.sql)
+        if delegated is not None and self.params.get(delegated[1]) is None:
+            raise invalid_argument(*delegated, "IK010", "must not be NULL")
 
 
 @dataclass(frozen=True)
