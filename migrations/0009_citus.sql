@@ -542,6 +542,7 @@ DECLARE
     v_fingerprint bytea;
     v_existing idempotency.keys;
     v_previous bigint;
+    v_insert boolean := false;
     v_result idempotency.claim_result;
 BEGIN
     -- One inlined test for the common case; the _check_* calls say what is wrong.
@@ -589,19 +590,9 @@ BEGIN
         INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
         VALUES (claim.scope, v_key_hash, v_now)
         ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
-        IF FOUND THEN
-            -- A new key: its row, in the partition v_now names.
-            INSERT INTO idempotency.keys AS k (
-                scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
-            )
-            VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
-                    idempotency._new_token(NULL), v_now + claim.lease, v_now)
-            RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
-                      NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
-                      NULL::interval, k.created_at, NULL::timestamptz
-            INTO v_result;
-            RETURN v_result;
-        END IF;
+        -- A new key (the common case): its row is inserted after the loop.
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
 
         SELECT e.created_at INTO v_created_at
         FROM idempotency.key_directory AS e
@@ -616,7 +607,7 @@ BEGIN
         IF v_existing.scope IS NULL THEN
             -- The key's row is gone (its partition was dropped after its retention): a
             -- tombstone answers expired (settings.tombstones); without one the key is new
-            -- again, and the directory row (still the arbiter) is pointed at the new one.
+            -- again, under the same directory row.
             SELECT 'expired', t.response_status, t.created_at
             INTO v_result.outcome, v_result.response_status, v_result.created_at
             FROM idempotency.tombstones AS t
@@ -625,7 +616,6 @@ BEGIN
             IF FOUND THEN
                 RETURN v_result;
             END IF;
-            v_previous := NULL;
         ELSIF v_existing.state = 'released' THEN
             -- Released by its owner after a failure with no side effect: the key is new again
             -- (even for another request), and its next owner's token must still be greater
@@ -634,34 +624,9 @@ BEGIN
             DELETE FROM idempotency.keys AS k
             WHERE k.scope = claim.scope AND k.key = claim.key AND k.created_at = v_created_at
               AND k.state = 'released' AND k.lease_token = v_existing.lease_token;
-            IF NOT FOUND THEN
-                CONTINUE;
-            END IF;
+            CONTINUE WHEN NOT FOUND;
             v_previous := v_existing.lease_token;
-        END IF;
-        IF v_existing.scope IS NULL OR v_existing.state = 'released' THEN
-            -- The directory row moves to the new row, compared on the created_at read above;
-            -- a concurrent claim that moved it first makes this one look again.
-            UPDATE idempotency.key_directory AS e
-            SET created_at = v_now
-            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
-              AND e.created_at = v_created_at;
-            IF NOT FOUND THEN
-                CONTINUE;
-            END IF;
-            INSERT INTO idempotency.keys AS k (
-                scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
-            )
-            VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
-                    idempotency._new_token(v_previous), v_now + claim.lease, v_now)
-            RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
-                      NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
-                      NULL::interval, k.created_at, NULL::timestamptz
-            INTO v_result;
-            RETURN v_result;
-        END IF;
-
-        IF v_existing.fingerprint <> v_fingerprint THEN
+        ELSIF v_existing.fingerprint <> v_fingerprint THEN
             IF claim.strict THEN
                 RAISE EXCEPTION USING
                     MESSAGE = format('idempotency.claim: key %s in scope %s was used with a '
@@ -677,18 +642,43 @@ BEGIN
             v_result.outcome := 'mismatch';
             v_result.created_at := v_existing.created_at;
             RETURN v_result;
+        ELSE
+            v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+            -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
+            IF v_result.outcome IS NOT NULL THEN
+                RETURN v_result;
+            END IF;
+            -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
+            CONTINUE;
         END IF;
-
-        v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
-        -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
-        IF v_result.outcome IS NOT NULL THEN
-            RETURN v_result;
-        END IF;
-        -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
+        -- Gone or released: the directory row moves to the new key row, compared on the
+        -- created_at read above; a concurrent claim that moved it first makes this one look
+        -- again.
+        UPDATE idempotency.key_directory AS e
+        SET created_at = v_now
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+          AND e.created_at = v_created_at;
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
     END LOOP;
-    -- Five lost races in a row means the owner is actively heartbeating: it is in progress.
-    v_result.outcome := 'in_progress';
-    v_result.retry_after := claim.lease;
+    IF NOT v_insert THEN
+        -- Five lost races in a row means the owner is actively heartbeating: in progress.
+        v_result.outcome := 'in_progress';
+        v_result.retry_after := claim.lease;
+        RETURN v_result;
+    END IF;
+
+    -- This claim owns the key: its row, in the partition v_now names, with a token above the
+    -- released owner's if there was one.
+    INSERT INTO idempotency.keys AS k (
+        scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+    )
+    VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+            idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+    RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+              NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+              NULL::interval, k.created_at, NULL::timestamptz
+    INTO v_result;
     RETURN v_result;
 END;
 $$;

@@ -120,8 +120,14 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
         "claimed", "resumed", "replay", "in_progress", "mismatch", "expired"}
     assert {o for c, o in outcomes if c == "takeover"} == {"resumed", "replay", "in_progress"}
     documented = _documented_codes()
-    assert len(documented) == 14, documented
-    assert documented <= codes, f"not covered: {sorted(documented - codes)}"
+    assert len(documented) == 16, documented
+    # IK021 (distribute() without Citus) and IK022 (distribute() on a Citus worker) belong to the
+    # install, not to the lifecycle: no scenario can raise either one both on a single server and
+    # through a Citus coordinator. They are tested in tests/test_citus.py and tests/test_install.py.
+    install_only = {"IK021", "IK022"}
+    assert install_only <= documented, documented
+    assert documented - install_only <= codes, (
+        f"not covered: {sorted(documented - install_only - codes)}")
     assert set(API["functions"]) <= calls, f"never called: {set(API['functions']) - calls}"
 
 

@@ -4,11 +4,11 @@
 -- Time is controlled with reference_time, relative to now(), which is frozen for the whole
 -- transaction; so every expected instant is exact and the rows land in the partitions made at
 -- install (today and the next days). Every claim result is kept in the temp table res, in call
--- order (seq), so later steps can use its lease token and the last test can check the order of
--- all tokens handed out.
+-- order (seq), under a tag whose first '_'-separated part names the key, so later steps can use
+-- its lease token and the last tests can check the order of the tokens each key was handed.
 BEGIN;
 
-SELECT plan(107);
+SELECT plan(116);
 
 CREATE TEMP TABLE res ON COMMIT DROP AS
 SELECT
@@ -39,6 +39,28 @@ RETURNS idempotency.keys
 LANGUAGE sql
 STABLE
 AS $$ SELECT * FROM idempotency.keys AS k WHERE k.scope = $1 AND k.key = $2 $$;
+
+-- answer(call): what a call that fails tells its caller, as
+-- 'SQLSTATE | message | DETAIL | HINT' ('no error' if it succeeds). Inside an exception block, so
+-- whatever the call did is rolled back.
+CREATE FUNCTION pg_temp.answer(call text)
+RETURNS text
+LANGUAGE plpgsql
+AS $$
+DECLARE
+    v_state text;
+    v_message text;
+    v_detail text;
+    v_hint text;
+BEGIN
+    EXECUTE call;
+    RETURN 'no error';
+EXCEPTION WHEN OTHERS THEN
+    GET STACKED DIAGNOSTICS v_state = RETURNED_SQLSTATE, v_message = MESSAGE_TEXT,
+                            v_detail = PG_EXCEPTION_DETAIL, v_hint = PG_EXCEPTION_HINT;
+    RETURN concat_ws(' | ', v_state, v_message, v_detail, v_hint);
+END
+$$;
 
 -- n(scope, key): how many rows the key has.
 CREATE FUNCTION pg_temp.n(scope text, key text)
@@ -532,7 +554,7 @@ SELECT throws_ok(
     ),
     'IK001',
     format(
-        'idempotency.complete: lease token %s is no longer current for key "k4" in scope "lc"',
+        'idempotency.complete: lease token %s is not the current one for key "k4" in scope "lc"',
         (pg_temp.r('k4_claim')).lease_token
     ),
     'old token after a resume: complete raises IK001'
@@ -624,44 +646,96 @@ SELECT results_eq(
     'a mismatch never takes over an expired lease'
 );
 
--- Unknown keys ---------------------------------------------------------------------------------
+-- Wrong tokens: IK001 whatever the key's state (no oracle) -------------------------------------
 
+-- A token that is not the key's current one gets IK001, the same for a key never claimed, one
+-- in another scope, one in progress under another token, completed by another token, or
+-- released: a caller learns nothing about a key it does not own (IK003 is takeover()'s only).
 SELECT throws_ok(
     $$SELECT idempotency.checkpoint('lc', 'nope', 1, 'x')$$,
-    'IK003',
-    'idempotency.checkpoint: key "nope" in scope "lc" does not exist',
-    'checkpoint on an unknown key: IK003'
+    'IK001',
+    'idempotency.checkpoint: lease token 1 is not the current one for key "nope" in scope "lc"',
+    'checkpoint on an unknown key: IK001'
 );
 SELECT throws_ok(
     $$SELECT idempotency.heartbeat('lc', 'nope', 1)$$,
-    'IK003', NULL,
-    'heartbeat on an unknown key: IK003'
+    'IK001', NULL,
+    'heartbeat on an unknown key: IK001'
 );
 SELECT throws_ok(
     $$SELECT idempotency.complete('lc', 'nope', 1, 200, '{}')$$,
-    'IK003', NULL,
-    'complete on an unknown key: IK003'
+    'IK001', NULL,
+    'complete on an unknown key: IK001'
 );
 SELECT throws_ok(
     $$SELECT idempotency.complete_bytes('lc', 'nope', 1, 200, '\x00'::bytea, 'a/b')$$,
-    'IK003', NULL,
-    'complete_bytes on an unknown key: IK003'
+    'IK001', NULL,
+    'complete_bytes on an unknown key: IK001'
 );
 SELECT throws_ok(
     $$SELECT idempotency.release('lc', 'nope', 1)$$,
-    'IK003',
-    'idempotency.release: key "nope" in scope "lc" does not exist',
-    'release on an unknown key: IK003'
+    'IK001',
+    'idempotency.release: lease token 1 is not the current one for key "nope" in scope "lc"',
+    'release on an unknown key: IK001'
 );
 SELECT throws_ok(
     $$SELECT idempotency.complete('other-scope', 'k1',
         (pg_temp.r('k1_claim')).lease_token, 200, '{}')$$,
-    'IK003', NULL,
-    'the same key in another scope is another key: IK003'
+    'IK001', NULL,
+    'the same key in another scope is another key: IK001'
 );
 SELECT is_empty(
     $$SELECT FROM idempotency.keys WHERE key = 'nope' OR scope = 'other-scope'$$,
     'calls on unknown keys wrote nothing'
+);
+
+-- k9: released by its owner (and left so: takeover below, and the invariants at the end).
+SELECT pg_temp.keep('k9_claim', idempotency.claim(
+    scope => 'lc', key => 'k9', request => '{"v": 9}', reference_time => now()
+));
+SELECT lives_ok(
+    $$SELECT idempotency.release('lc', 'k9', (pg_temp.r('k9_claim')).lease_token)$$,
+    'release k9'
+);
+
+-- Token 1 (nobody's) and k9's released token, on a key in progress (k5), completed (k1),
+-- released (k9) and absent (nope): per function and token, one answer once the key's name is
+-- taken out of it.
+SELECT results_eq(
+    $$SELECT f, t, count(*), count(DISTINCT replace(a, '"' || k || '"', '"K"')),
+             bool_and(a LIKE 'IK001 | % | % | %')
+      FROM (VALUES
+          ('accept', $c$SELECT idempotency.accept('lc', %L, %s, 202, '{}')$c$),
+          ('checkpoint', $c$SELECT idempotency.checkpoint('lc', %L, %s, 'x')$c$),
+          ('complete', $c$SELECT idempotency.complete('lc', %L, %s, 200, '{}')$c$),
+          ('complete_bytes',
+           $c$SELECT idempotency.complete_bytes('lc', %L, %s, 200, '\x00'::bytea, 'a/b')$c$),
+          ('heartbeat', $c$SELECT idempotency.heartbeat('lc', %L, %s)$c$),
+          ('release', $c$SELECT idempotency.release('lc', %L, %s)$c$)
+      ) AS fns (f, c)
+      CROSS JOIN (VALUES ('k5'), ('k1'), ('k9'), ('nope')) AS keys (k)
+      CROSS JOIN (VALUES ('1'), ('k9')) AS tokens (t)
+      CROSS JOIN LATERAL (
+          SELECT pg_temp.answer(format(
+              c, k, CASE t WHEN '1' THEN 1 ELSE (pg_temp.r('k9_claim')).lease_token END)) AS a
+      ) AS answers
+      GROUP BY f, t ORDER BY f, t$$,
+    $$SELECT f, t, 4::bigint, 1::bigint, true
+      FROM unnest(ARRAY['accept', 'checkpoint', 'complete', 'complete_bytes', 'heartbeat',
+                        'release']) AS f
+      CROSS JOIN unnest(ARRAY['1', 'k9']) AS t
+      ORDER BY f, t$$,
+    'no oracle: a wrong token gets one IK001 answer (message, DETAIL, HINT) in every key state'
+);
+SELECT results_eq(
+    $$SELECT state, lease_expires_at, response_status, lease_token
+      FROM idempotency.keys WHERE scope = 'lc' AND key IN ('k1', 'k5', 'k9') ORDER BY key$$,
+    $$SELECT 'completed'::text, NULL::timestamptz, 201, (pg_temp.r('k1_claim')).lease_token
+      UNION ALL
+      SELECT 'in_progress', now() + interval '31 seconds', NULL, (pg_temp.r('k5_claim')).lease_token
+      UNION ALL
+      SELECT 'released', NULL, NULL, (pg_temp.r('k9_claim')).lease_token$$,
+    'the refused calls changed none of those keys'
 );
 
 -- release --------------------------------------------------------------------------------------
@@ -675,9 +749,19 @@ SELECT lives_ok(
         (pg_temp.r('k6_claim')).lease_token)$$,
     'release by the holder succeeds'
 );
-SELECT is(
-    pg_temp.n('lc', 'k6'), 0::bigint,
-    'release deletes the row'
+SELECT results_eq(
+    $$SELECT count(*), min(state), min(lease_token), min(lease_expires_at),
+             min(response_status), bool_and(response_body IS NULL AND response_headers IS NULL)
+      FROM idempotency.keys WHERE scope = 'lc' AND key = 'k6'$$,
+    $$SELECT 1::bigint, 'released'::text, (pg_temp.r('k6_claim')).lease_token,
+             NULL::timestamptz, NULL::integer, true$$,
+    'release keeps the row, released: the token, no lease, no response'
+);
+SELECT results_eq(
+    $$SELECT d.created_at FROM idempotency.key_directory AS d
+      WHERE d.scope = 'lc' AND d.key_hash = sha256('k6'::bytea)$$,
+    $$VALUES (now())$$,
+    'release keeps the key''s directory row'
 );
 
 SELECT pg_temp.keep('k6_reclaim', idempotency.claim(
@@ -700,6 +784,15 @@ SELECT results_eq(
     $$VALUES (1::bigint, idempotency.fingerprint('{"v": 2}'), 1, NULL::text)$$,
     'the new claim starts afresh: new fingerprint, attempts 1, no recovery point'
 );
+SELECT results_eq(
+    $$SELECT k.state, k.created_at, d.created_at
+      FROM idempotency.keys AS k
+      INNER JOIN idempotency.key_directory AS d
+          ON d.scope = k.scope AND d.key_hash = sha256(convert_to(k.key, 'UTF8'))
+      WHERE k.scope = 'lc' AND k.key = 'k6'$$,
+    $$VALUES ('in_progress'::text, now() + interval '1 second', now() + interval '1 second')$$,
+    'the released row is replaced by the new one, and the directory row points at it'
+);
 SELECT throws_ok(
     $$SELECT idempotency.release('lc', 'k6',
         (pg_temp.r('k6_claim')).lease_token)$$,
@@ -714,6 +807,12 @@ SELECT throws_ok(
     'IK003',
     'idempotency.takeover: key "nope" in scope "lc" does not exist',
     'takeover of an unknown key: IK003'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.takeover('lc', 'k9')$$,
+    'IK003',
+    'idempotency.takeover: key "k9" in scope "lc" does not exist',
+    'takeover of a released key: IK003 (there is no owner to take over from)'
 );
 
 SELECT pg_temp.keep('k6_takeover_live', idempotency.takeover(
@@ -914,7 +1013,7 @@ SELECT is(
     'a claim by request and one by idempotency.fingerprint(request) are the same request'
 );
 
--- Fencing tokens increase across keys ----------------------------------------------------------
+-- Lease tokens: increasing per key, unordered across keys (docs/design.md "Lease tokens") ----
 
 SELECT pg_temp.keep(
     'tk1',
@@ -929,15 +1028,35 @@ SELECT pg_temp.keep(
     idempotency.claim(scope => 'lt', key => 'a', request => '{}', reference_time => now())
 );
 
-SELECT ok(
-    (pg_temp.r('tk1')).lease_token < (pg_temp.r('tk2')).lease_token
-    AND (pg_temp.r('tk2')).lease_token < (pg_temp.r('tk3')).lease_token,
-    'tokens strictly increase across claims of different keys'
+SELECT is(
+    (SELECT count(DISTINCT lease_token) FROM res WHERE tag IN ('tk1', 'tk2', 'tk3')),
+    3::bigint,
+    'three new keys get three different tokens (32 random low bits)'
+);
+-- (The clock part is read by the server when the token is made: between the transaction's
+-- start, now(), and this statement's clock_timestamp().)
+SELECT is_empty(
+    $$SELECT FROM res
+      WHERE outcome = 'claimed' AND tag NOT IN ('k6_reclaim')
+        AND (lease_token >> 32) NOT BETWEEN
+            floor(extract(epoch FROM now()) - 1704067200)::bigint
+            AND floor(extract(epoch FROM clock_timestamp()) - 1704067200)::bigint$$,
+    'a new key''s token: the high bits are the seconds since 2024-01-01 by the server''s clock'
+);
+SELECT is(
+    (SELECT count(*) FROM res AS earlier INNER JOIN res AS later
+         ON earlier.seq < later.seq
+        AND split_part(earlier.tag, '_', 1) = split_part(later.tag, '_', 1)
+     WHERE earlier.lease_token IS NOT NULL AND later.lease_token IS NOT NULL),
+    3::bigint,
+    'three keys had a second owner: k4 (resumed), k6 (claimed after release), k7 (takeover)'
 );
 SELECT is_empty(
-    $$SELECT FROM res AS earlier INNER JOIN res AS later ON earlier.seq < later.seq
-      WHERE earlier.lease_token >= later.lease_token$$,
-    'every token handed out (claimed, resumed) exceeds every token handed out before it'
+    $$SELECT FROM res AS earlier INNER JOIN res AS later
+          ON earlier.seq < later.seq
+         AND split_part(earlier.tag, '_', 1) = split_part(later.tag, '_', 1)
+      WHERE (later.lease_token >> 32) < (earlier.lease_token >> 32) + 1$$,
+    'every later owner of a key has a token whose high bits exceed the earlier owner''s'
 );
 SELECT is_empty(
     $$SELECT FROM res WHERE outcome IN ('claimed', 'resumed') AND lease_token IS NULL$$,
@@ -960,9 +1079,17 @@ SELECT is_empty(
       WHERE NOT coalesce(
           (state = 'in_progress' AND lease_expires_at IS NOT NULL AND completed_at IS NULL
            AND response_status IS NULL)
-          OR (state = 'completed' AND response_status IS NOT NULL AND completed_at IS NOT NULL),
+          OR (state = 'completed' AND response_status IS NOT NULL AND completed_at IS NOT NULL)
+          OR (state = 'released' AND lease_expires_at IS NULL AND completed_at IS NULL
+              AND response_status IS NULL AND response_body IS NULL),
           false)$$,
-    'invariant: in_progress rows have a lease, completed rows a status and completed_at'
+    'invariant: in_progress rows have a lease, completed rows a status and completed_at, '
+    || 'released rows neither'
+);
+SELECT is(
+    (SELECT count(*) FROM idempotency.keys WHERE state = 'released'),
+    1::bigint,
+    'one released row (k9) is among them'
 );
 SELECT is_empty(
     $$SELECT FROM idempotency.keys

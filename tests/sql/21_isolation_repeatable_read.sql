@@ -46,11 +46,11 @@ INSERT INTO idempotency.keys (
 VALUES
 (
     'iso', 'live', idempotency.fingerprint('{}'), 'in_progress',
-    nextval('idempotency.lease_token_seq'), now() + interval '30 seconds', now()
+    idempotency._new_token(NULL), now() + interval '30 seconds', now()
 ),
 (
     'iso', 'expired', idempotency.fingerprint('{}'), 'in_progress',
-    nextval('idempotency.lease_token_seq'), now() - interval '1 second',
+    idempotency._new_token(NULL), now() - interval '1 second',
     now() - interval '31 seconds'
 );
 -- Rows made by hand need their directory rows too (claim() writes both).

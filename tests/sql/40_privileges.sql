@@ -9,7 +9,7 @@
 -- statement fails, the error unwinds the subtransaction of throws_ok() and the role with it.
 BEGIN;
 
-SELECT plan(85);
+SELECT plan(86);
 
 CREATE ROLE idem_t40_app NOLOGIN;
 CREATE ROLE idem_t40_usage_only NOLOGIN;
@@ -63,7 +63,12 @@ SELECT cmp_ok(
         WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind IN ('r', 'p', 'S')
     ),
     '>=', 15::bigint,
-    'the checks below see the tables, partitions and the sequence'
+    'the checks below see the tables and partitions'
+);
+SELECT is_empty(
+    $$SELECT c.oid::regclass FROM pg_class AS c
+      WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind = 'S'$$,
+    'no sequence in the schema (since 0.9.0 lease tokens are made per key by _new_token)'
 );
 SELECT is_empty(
     $$SELECT c.oid::regclass FROM pg_class AS c CROSS JOIN LATERAL aclexplode(c.relacl) AS a
@@ -78,8 +83,8 @@ SELECT is_empty(
     'PUBLIC has no privilege on any table or partition'
 );
 SELECT ok(
-    NOT has_sequence_privilege('public', 'idempotency.lease_token_seq', 'USAGE, SELECT, UPDATE'),
-    'PUBLIC has no privilege on idempotency.lease_token_seq'
+    NOT has_function_privilege('public', 'idempotency._new_token(bigint)', 'EXECUTE'),
+    'PUBLIC cannot make lease tokens (idempotency._new_token)'
 );
 SELECT ok(
     NOT has_schema_privilege('public', 'idempotency', 'USAGE, CREATE'),
@@ -192,10 +197,9 @@ SELECT is_empty(
     'grant_usage: no privilege on any table or partition'
 );
 SELECT ok(
-    NOT has_sequence_privilege(
-        'idem_t40_app', 'idempotency.lease_token_seq', 'USAGE, SELECT, UPDATE'
-    ),
-    'grant_usage: no privilege on the sequence'
+    NOT has_function_privilege('idem_t40_app', 'idempotency._new_token(bigint)', 'EXECUTE')
+    AND NOT has_function_privilege('idem_t40_app', 'idempotency.distribute(integer)', 'EXECUTE'),
+    'grant_usage: no privilege on _new_token, nor on distribute (the owner''s)'
 );
 
 -- After grant_usage, the application role uses the engine -------------------------------------
@@ -279,7 +283,7 @@ SELECT results_eq(
     $$SELECT key, state, recovery_point, response_status FROM idempotency.keys
       WHERE scope = 'p' ORDER BY key$$,
     $$VALUES ('k1'::text, 'completed'::text, 'rp-1'::text, 201), ('k2', 'completed', NULL, 200),
-             ('k4', 'in_progress', NULL, NULL)$$,
+             ('k3', 'released', NULL, NULL), ('k4', 'in_progress', NULL, NULL)$$,
     'app role: the effects of checkpoint, complete, complete_bytes and release are stored'
 );
 SELECT is(
@@ -475,14 +479,14 @@ SELECT throws_ok(
     'app role: DELETE from idempotency.inbox_default is refused'
 );
 SELECT throws_ok(
-    $$SELECT pg_temp.as_app('SELECT nextval(''idempotency.lease_token_seq'')')$$,
-    '42501', 'permission denied for sequence lease_token_seq',
-    'app role: nextval on idempotency.lease_token_seq is refused'
+    $$SELECT pg_temp.as_app('SELECT idempotency._new_token(NULL)')$$,
+    '42501', 'permission denied for function _new_token',
+    'app role: _new_token (which makes lease tokens) is refused'
 );
 SELECT throws_ok(
-    $$SELECT pg_temp.as_app('SELECT setval(''idempotency.lease_token_seq'', 1)')$$,
-    '42501', 'permission denied for sequence lease_token_seq',
-    'app role: setval on idempotency.lease_token_seq is refused'
+    $$SELECT pg_temp.as_app('SELECT count(*) FROM idempotency.distribute()')$$,
+    '42501', 'permission denied for function distribute',
+    'app role: distribute is refused'
 );
 SELECT throws_ok(
     $$SELECT pg_temp.as_app('SELECT idempotency._premake(now())')$$,
@@ -502,9 +506,9 @@ SELECT throws_ok(
     'app role: _finish (the unfenced-looking internal of complete) is refused'
 );
 SELECT throws_ok(
-    $$SELECT pg_temp.as_app('SELECT idempotency._lock_name(1, ''a'', ''b'')')$$,
-    '42501', 'permission denied for function _lock_name',
-    'app role: _lock_name is refused'
+    $$SELECT pg_temp.as_app('SELECT idempotency._drop_directory_rows(''keys'', ''keys'', now())')$$,
+    '42501', 'permission denied for function _drop_directory_rows',
+    'app role: _drop_directory_rows is refused'
 );
 SELECT throws_ok(
     $$SELECT pg_temp.as_app('SELECT idempotency._name_ok(''a'')')$$,
@@ -528,7 +532,8 @@ SELECT throws_ok(
 );
 SELECT results_eq(
     $$SELECT key, state FROM idempotency.keys WHERE scope = 'p' ORDER BY key$$,
-    $$VALUES ('k1'::text, 'completed'::text), ('k2', 'completed'), ('k4', 'in_progress')$$,
+    $$VALUES ('k1'::text, 'completed'::text), ('k2', 'completed'), ('k3', 'released'),
+             ('k4', 'in_progress')$$,
     'the refused statements changed nothing'
 );
 SELECT is(
@@ -543,7 +548,7 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NULL
       ORDER BY 1$$,
     $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_headers_ok'),
-             ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_lock_name'), ('_name_ok'),
+             ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_name_ok'), ('_new_token'),
              ('_release_row'), ('_resume_row')$$,
     'every function pins search_path except the inlinable helpers and the generated routes '
     || '(called only from functions that pin it; see _make_routes)'
@@ -569,16 +574,16 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", l.lanname::text COLLATE "default" FROM pg_proc AS p
       INNER JOIN pg_language AS l ON p.prolang = l.oid
       WHERE p.pronamespace = 'idempotency'::regnamespace
-        AND p.proname IN ('_headers_ok', '_lease_ok', '_lock_name', '_name_ok')
+        AND p.proname IN ('_headers_ok', '_lease_ok', '_name_ok', '_new_token')
       ORDER BY 1$$,
-    $$VALUES ('_headers_ok', 'sql'), ('_lease_ok', 'sql'), ('_lock_name', 'sql'),
-             ('_name_ok', 'sql')$$,
+    $$VALUES ('_headers_ok', 'sql'), ('_lease_ok', 'sql'), ('_name_ok', 'sql'),
+             ('_new_token', 'sql')$$,
     'the helpers without search_path are SQL functions (the only kind that can be inlined)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace
-        AND p.proname IN ('_headers_ok', '_lease_ok', '_lock_name', '_name_ok')
+        AND p.proname IN ('_headers_ok', '_lease_ok', '_name_ok', '_new_token')
         AND (p.prosecdef OR p.proisstrict)$$,
     'the inlinable helpers are neither SECURITY DEFINER nor STRICT (either would stop inlining)'
 );
@@ -602,18 +607,19 @@ SELECT results_eq(
         ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
         ('_checkpoint_row', 'v'),
         ('_complete_row', 'v'),
-        ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
+        ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
+        ('_finish', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
-        ('_invalid_argument', 'v'), ('_key_row', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
-        ('_lock_name', 'v'), ('_make_directory_partitions', 'v'), ('_make_partitions', 'v'),
+        ('_invalid_argument', 'v'), ('_key_hash', 'i'), ('_key_row', 'v'), ('_lease_error', 's'),
+        ('_lease_ok', 'i'), ('_make_partitions', 'v'),
         ('_make_routes', 'v'),
-        ('_name_ok', 'i'),
+        ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_resume_row', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
-        ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
+        ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
         ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
         ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
         ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,

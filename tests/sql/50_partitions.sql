@@ -6,7 +6,7 @@
 -- now(), so the test holds even when it runs a day or more after the template was built.
 BEGIN;
 
-SELECT plan(50);
+SELECT plan(51);
 
 -- d(n): the start (00:00 UTC) of the n-th day after the day of install.
 CREATE FUNCTION pg_temp.d(n integer)
@@ -245,8 +245,19 @@ SELECT is(
     '_premake on the day of install creates nothing more'
 );
 SELECT is(
-    idempotency._premake(pg_temp.d(10) + interval '5 hours'), 10,
-    '_premake ten days ahead creates 4 keys and 4 inbox partitions, and 2 of the directory'
+    idempotency._premake(pg_temp.d(10) + interval '5 hours'), 8,
+    '_premake ten days ahead creates 4 keys and 4 inbox partitions (the directory has none)'
+);
+SELECT results_eq(
+    $$SELECT c.relkind::text,
+             (SELECT array_agg(a.attname::text COLLATE "default" ORDER BY k.n)
+              FROM pg_index AS i
+              CROSS JOIN LATERAL unnest(i.indkey) WITH ORDINALITY AS k (attnum, n)
+              INNER JOIN pg_attribute AS a ON a.attrelid = i.indrelid AND a.attnum = k.attnum
+              WHERE i.indrelid = c.oid AND i.indisprimary)
+      FROM pg_class AS c WHERE c.oid = 'idempotency.key_directory'::regclass$$,
+    $$VALUES ('r'::text, ARRAY['scope', 'key_hash'])$$,
+    'key_directory is a plain table (since 0.9.0), its primary key (scope, key_hash)'
 );
 SELECT is(
     idempotency._premake(pg_temp.d(10) + interval '5 hours'), 0,

@@ -185,7 +185,7 @@ SELECT throws_ok(
     ),
     'IK001',
     format(
-        'idempotency.accept: lease token %s is no longer current for key "k1" in scope "ac"',
+        'idempotency.accept: lease token %s is not the current one for key "k1" in scope "ac"',
         (pg_temp.r('first')).lease_token
     ),
     'accept with the token that was taken over: IK001'
@@ -201,9 +201,9 @@ SELECT throws_ok(
 );
 SELECT throws_ok(
     $$SELECT idempotency.accept('ac', 'nope', 1, 202, '{}')$$,
-    'IK003',
-    'idempotency.accept: key "nope" in scope "ac" does not exist',
-    'accept of a key that does not exist: IK003'
+    'IK001',
+    'idempotency.accept: lease token 1 is not the current one for key "nope" in scope "ac"',
+    'accept of a key that does not exist: IK001, as for a wrong token (no oracle)'
 );
 
 -- Complete after accept: the final response replaces the interim one ----------------------------

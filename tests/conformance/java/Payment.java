@@ -80,8 +80,9 @@ public final class Payment {
             return new Answer(201, headers, body);
         } catch (SQLException e) {
             conn.rollback();
-            // IK001: our lease was taken over; IK004: completed meanwhile. The charge rolled
-            // back; the newer holder's answer is what a retry gets. (For argument errors,
+            // IK001: our lease was taken over (the key may be completed by now); IK004:
+            // completed with our own token already. The charge rolled back; a retry gets the
+            // stored answer. (For argument errors,
             // ((PSQLException) e).getServerErrorMessage().getColumn() names the argument.)
             if ("IK001".equals(e.getSQLState()) || "IK004".equals(e.getSQLState())) {
                 return new Answer(409, "{\"Retry-After\": \"1\"}", "{\"error\": \"in_progress\"}");

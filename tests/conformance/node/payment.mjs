@@ -49,8 +49,8 @@ export async function createCharge(pool, account, idempotencyKey, request) {
     return response;
   } catch (err) {
     await client.query('ROLLBACK');
-    // IK001: our lease was taken over; IK004: completed meanwhile. The charge rolled back;
-    // the newer holder's answer is what a retry gets.
+    // IK001: our lease was taken over (the key may be completed by now); IK004: completed
+    // with our own token already. The charge rolled back; a retry gets the stored answer.
     if (err.code === 'IK001' || err.code === 'IK004') {
       return { status: 409, headers: { 'Retry-After': '1' }, body: { error: 'in_progress' } };
     }

@@ -39,8 +39,9 @@ def create_charge(conn, account, key, request)
     [201, headers, body]
   end
 rescue PG::Error => e
-  # transaction() rolled the charge back. IK001: our lease was taken over; IK004: completed
-  # meanwhile; the newer holder's answer is what a retry gets.
+  # transaction() rolled the charge back. IK001: our lease was taken over (the key may be
+  # completed by now); IK004: completed with our own token already. A retry gets the stored
+  # answer.
   raise unless %w[IK001 IK004].include?(e.result&.error_field(PG::PG_DIAG_SQLSTATE))
 
   [409, { "Retry-After" => "1" }, { "error" => "in_progress" }]

@@ -76,8 +76,9 @@ func createCharge(ctx context.Context, db *sql.DB, account, key string,
 		account, key, token.Int64, answer.Status, string(answer.Body), string(headers))
 	var pqErr *pq.Error
 	if errors.As(err, &pqErr) && (pqErr.Code == "IK001" || pqErr.Code == "IK004") {
-		// IK001: our lease was taken over; IK004: completed meanwhile. The charge rolls
-		// back (the defer); the newer holder's answer is what a retry gets.
+		// IK001: our lease was taken over (the key may be completed by now); IK004:
+		// completed with our own token already. The charge rolls back (the defer); a retry
+		// gets the stored answer.
 		return Answer{409, map[string]string{"Retry-After": "1"},
 			json.RawMessage(`{"error": "in_progress"}`)}, nil
 	} else if err != nil {
