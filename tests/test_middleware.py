@@ -445,4 +445,10 @@ async def test_second_connection_from_the_middlewares_pool(db: str) -> None:
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all(type(e).__name__ == "PoolExhausted" for e in errors), results
     assert "pool_reserve" in str(errors[0])
-    assert _notes(db) == [f"n{i:02}" for i in range(16)]  # the deadlocked ones rolled back
+    # A request whose wait began later than the others' (a loaded machine) can get the
+    # connection a timed-out one gave back, and then succeed: that one is stored as usual.
+    survived = [f"x{i}" for i, r in enumerate(results)
+                if not isinstance(r, BaseException) and r.status_code == 201]
+    assert len(errors) + len(survived) == 4, results
+    # the deadlocked ones rolled back: none of their notes is there
+    assert _notes(db) == sorted([f"n{i:02}" for i in range(16)] + survived)

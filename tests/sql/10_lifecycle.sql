@@ -1029,7 +1029,10 @@ SELECT pg_temp.keep(
 );
 
 SELECT is(
-    (SELECT count(DISTINCT lease_token) FROM res WHERE tag IN ('tk1', 'tk2', 'tk3')),
+    (
+        SELECT count(DISTINCT lease_token) FROM res
+        WHERE tag IN ('tk1', 'tk2', 'tk3')
+    ),
     3::bigint,
     'three new keys get three different tokens (32 random low bits)'
 );
@@ -1044,10 +1047,15 @@ SELECT is_empty(
     'a new key''s token: the high bits are the seconds since 2024-01-01 by the server''s clock'
 );
 SELECT is(
-    (SELECT count(*) FROM res AS earlier INNER JOIN res AS later
-         ON earlier.seq < later.seq
-        AND split_part(earlier.tag, '_', 1) = split_part(later.tag, '_', 1)
-     WHERE earlier.lease_token IS NOT NULL AND later.lease_token IS NOT NULL),
+    (
+        SELECT count(*)
+        FROM res AS earlier
+        INNER JOIN res AS later
+            ON
+                earlier.seq < later.seq
+                AND split_part(earlier.tag, '_', 1) = split_part(later.tag, '_', 1)
+        WHERE earlier.lease_token IS NOT NULL AND later.lease_token IS NOT NULL
+    ),
     3::bigint,
     'three keys had a second owner: k4 (resumed), k6 (claimed after release), k7 (takeover)'
 );
@@ -1087,7 +1095,10 @@ SELECT is_empty(
     || 'released rows neither'
 );
 SELECT is(
-    (SELECT count(*) FROM idempotency.keys WHERE state = 'released'),
+    (
+        SELECT count(*) FROM idempotency.keys
+        WHERE state = 'released'
+    ),
     1::bigint,
     'one released row (k9) is among them'
 );

@@ -6,7 +6,7 @@
 -- daily partitions, retention 24 hours, 3 partitions ahead.
 BEGIN;
 
-SELECT plan(46);
+SELECT plan(49);
 
 -- d(n): the start (00:00 UTC) of the n-th day after the day of install.
 CREATE FUNCTION pg_temp.d(n integer)
@@ -140,6 +140,20 @@ SELECT is(
     'and the key with it'
 );
 SELECT results_eq(
+    $$SELECT action, partition_name, row_count FROM pg_temp.report
+      WHERE parent_table = 'key_directory'$$,
+    $$VALUES ('deleted'::text, 'key_directory'::text, 1::bigint)$$,
+    'it reports deleting the directory row of the key it dropped (since 0.9.0)'
+);
+SELECT is(
+    (
+        SELECT count(*) FROM idempotency.key_directory
+        WHERE scope = 'mt' AND key_hash = sha256('d0'::bytea)
+    ),
+    0::bigint,
+    'and that directory row is gone'
+);
+SELECT results_eq(
     $$SELECT action, partition_name, lower_bound FROM pg_temp.report
       WHERE action = 'created' AND parent_table = 'keys' ORDER BY 2$$,
     $$VALUES ('created'::text, pg_temp.part('keys', 5), pg_temp.d(5))$$,
@@ -250,14 +264,23 @@ SELECT is(
     pg_temp.outcome('stuck', pg_temp.d(405) + interval '2 hours 30 minutes'), 'claimed',
     'a key whose holder goes away (its lease expires 30 seconds later)'
 );
+SELECT lives_ok(
+    $$SELECT idempotency.release('mt', 'let-go',
+        (idempotency.claim('mt', 'let-go', '{"v": 1}',
+                           reference_time => pg_temp.d(405) + interval '2 hours 40 minutes'
+        )).lease_token)$$,
+    'a key claimed and released (its row stays, released, until a claim)'
+);
 
 SELECT results_eq(
     $$SELECT scope, state, keys, oldest_key, expired_leases
       FROM idempotency.key_status(pg_temp.d(405) + interval '4 hours')
       WHERE scope = 'mt' ORDER BY state$$,
     $$VALUES ('mt'::text, 'completed'::text, 1::bigint, NULL::text, 0::bigint),
-             ('mt', 'in_progress', 2, 'stuck', 1)$$,
-    'key_status: per scope and state, the oldest key in progress, expired leases'
+             ('mt', 'in_progress', 2, 'stuck', 1),
+             ('mt', 'released', 1, NULL, 0)$$,
+    'key_status: per scope and state (released too), the oldest key in progress, expired '
+    || 'leases'
 );
 SELECT results_eq(
     $$SELECT partition_name, row_count, note, drop_after FROM idempotency.partition_status(
@@ -266,7 +289,7 @@ SELECT results_eq(
                                                          pg_temp.part('keys', 408), 'keys_default')
       ORDER BY 1$$,
     $$VALUES ('keys_default'::text, 1::bigint, 'default'::text, NULL::timestamptz),
-             (pg_temp.part('keys', 405), 2, 'current', pg_temp.d(407)),
+             (pg_temp.part('keys', 405), 3, 'current', pg_temp.d(407)),
              (pg_temp.part('keys', 408), 0, 'newest', NULL)$$,
     'partition_status: rows, note and when each partition will be dropped'
 );
