@@ -42,7 +42,10 @@ idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 -- The rows move through a table of their own: the new key_directory is made after the old one
 -- is dropped, so that its constraints and index get the names a fresh install gives them.
 CREATE TABLE idempotency.key_directory_0009 AS
-SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
+SELECT DISTINCT ON (d.scope, d.key_hash)
+    d.scope,
+    d.key_hash,
+    d.created_at
 FROM idempotency.key_directory AS d
 ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
 -- Tables dumped with their data (pg_extension_config_dump) stay listed after a DROP: an
@@ -100,12 +103,18 @@ REVOKE ALL ON idempotency.key_directory FROM public;
 
 -- One row per (scope, key_hash) already (claim held the key's lock to insert one).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT d.scope, d.key_hash, d.created_at FROM idempotency.key_directory_0009 AS d;
+SELECT
+    d.scope,
+    d.key_hash,
+    d.created_at
+FROM idempotency.key_directory_0009 AS d;
 DROP TABLE idempotency.key_directory_0009;
 -- The messages already in the inbox get their directory rows (see inbox_accept).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (i.consumer, i.message_id)
-    i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
+    i.consumer,
+    sha256(convert_to(chr(31) || i.message_id, 'UTF8')) AS key_hash,
+    i.received_at
 FROM idempotency.inbox AS i
 ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
 DROP FUNCTION idempotency._make_directory_partitions(
@@ -131,16 +140,18 @@ DROP FUNCTION idempotency._lock_name(integer, text, text);
 -- 32 random bits to act as the owner. A sequence (before 0.9.0) made the next token one more
 -- than the last one seen, and gave each Citus node its own range.
 -- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
--- that it is inlined into the caller; everything is schema-qualified (GREATEST is syntax).
+-- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
 CREATE FUNCTION idempotency._new_token(previous bigint)
 RETURNS bigint
 LANGUAGE sql
 VOLATILE
 RETURN (
-    GREATEST(
+    greatest(
         (previous OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.+) 1,
-        pg_catalog.floor(pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
-                         OPERATOR(pg_catalog.-) 1704067200)::pg_catalog.int8
+        pg_catalog.floor(
+            pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
+            OPERATOR(pg_catalog.-) 1704067200
+        )::pg_catalog.int8
     ) OPERATOR(pg_catalog.<<) 32
 ) OPERATOR(pg_catalog.|) (
     ('x' OPERATOR(pg_catalog.||) pg_catalog.left(pg_catalog.gen_random_uuid()::pg_catalog.text, 8)

@@ -13,16 +13,18 @@
 -- 32 random bits to act as the owner. A sequence (before 0.9.0) made the next token one more
 -- than the last one seen, and gave each Citus node its own range.
 -- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
--- that it is inlined into the caller; everything is schema-qualified (GREATEST is syntax).
+-- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
 CREATE FUNCTION idempotency._new_token(previous bigint)
 RETURNS bigint
 LANGUAGE sql
 VOLATILE
 RETURN (
-    GREATEST(
+    greatest(
         (previous OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.+) 1,
-        pg_catalog.floor(pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
-                         OPERATOR(pg_catalog.-) 1704067200)::pg_catalog.int8
+        pg_catalog.floor(
+            pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
+            OPERATOR(pg_catalog.-) 1704067200
+        )::pg_catalog.int8
     ) OPERATOR(pg_catalog.<<) 32
 ) OPERATOR(pg_catalog.|) (
     ('x' OPERATOR(pg_catalog.||) pg_catalog.left(pg_catalog.gen_random_uuid()::pg_catalog.text, 8)

@@ -21,7 +21,10 @@ idempotency.inbox IN ACCESS EXCLUSIVE MODE;
 -- The rows move through a table of their own: the new key_directory is made after the old one
 -- is dropped, so that its constraints and index get the names a fresh install gives them.
 CREATE TABLE idempotency.key_directory_0009 AS
-SELECT DISTINCT ON (d.scope, d.key_hash) d.scope, d.key_hash, d.created_at
+SELECT DISTINCT ON (d.scope, d.key_hash)
+    d.scope,
+    d.key_hash,
+    d.created_at
 FROM idempotency.key_directory AS d
 ORDER BY d.scope ASC, d.key_hash ASC, d.created_at DESC;
 -- Tables dumped with their data (pg_extension_config_dump) stay listed after a DROP: an
@@ -45,12 +48,18 @@ DROP TABLE idempotency.key_directory;
 -- @include tables/key_directory.sql
 -- One row per (scope, key_hash) already (claim held the key's lock to insert one).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT d.scope, d.key_hash, d.created_at FROM idempotency.key_directory_0009 AS d;
+SELECT
+    d.scope,
+    d.key_hash,
+    d.created_at
+FROM idempotency.key_directory_0009 AS d;
 DROP TABLE idempotency.key_directory_0009;
 -- The messages already in the inbox get their directory rows (see inbox_accept).
 INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
 SELECT DISTINCT ON (i.consumer, i.message_id)
-    i.consumer, sha256(convert_to(chr(31) || i.message_id, 'UTF8')), i.received_at
+    i.consumer,
+    sha256(convert_to(chr(31) || i.message_id, 'UTF8')) AS key_hash,
+    i.received_at
 FROM idempotency.inbox AS i
 ORDER BY i.consumer ASC, i.message_id ASC, i.received_at DESC;
 DROP FUNCTION idempotency._make_directory_partitions(
