@@ -765,3 +765,12 @@ def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) ->
     diff = "\n".join(difflib.unified_diff([r[0] for r in fresh], [r[0] for r in updated],
                                           "CREATE EXTENSION", "0.1.0 + UPDATE", lineterm=""))
     assert not diff, f"the updated extension differs from a fresh one:\n{diff[:6000]}"
+
+
+def test_distribute_without_citus_says_so(db: str) -> None:
+    """On a server without Citus, distribute() raises IK021 and changes nothing."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        expect_sqlstate(conn, "SELECT * FROM idempotency.distribute()", "IK021")
+        assert conn.execute("SELECT count(*) FROM idempotency.keys").fetchone() == (0,)
+        assert conn.execute("SELECT outcome FROM idempotency.claim('s', 'k', '{}')"
+                            ).fetchone() == ("claimed",)
