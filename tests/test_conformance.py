@@ -123,8 +123,8 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
     assert len(documented) == 16, documented
     # IK021 (distribute() without Citus) and IK022 (distribute() on a Citus worker) belong to the
     # install, not to the lifecycle: no scenario can raise either one both on a single server and
-    # through a Citus coordinator. IK021 is raised by distribute() without Citus (the Citus tests on
-    # branch citus-wip; tests/test_install.py on a single server).
+    # through a Citus coordinator. IK021 is raised by distribute() without Citus (wip/test_citus.py
+    # and tests/test_install.py on a single server).
     install_only = {"IK021", "IK022"}
     assert install_only <= documented, documented
     assert documented - install_only <= codes, (
