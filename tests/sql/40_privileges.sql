@@ -605,17 +605,19 @@ SELECT results_eq(
         ('_create_partition', 'v'), ('_directory_window', 'i'), ('_finish', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_key_row', 'v'), ('_lease_error', 's'), ('_lease_ok', 'i'),
-        ('_lock_name', 'v'), ('_make_directory_partitions', 'v'), ('_make_partitions', 'v'),
+        ('_lock_name', 'v'), ('_maintain', 'v'), ('_make_directory_partitions', 'v'),
+        ('_make_partitions', 'v'),
         ('_make_routes', 'v'),
         ('_name_ok', 'i'),
-        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'), ('_release_row', 'v'),
+        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
+        ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_resume_row', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
         ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
-        ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
+        ('metrics', 'v'), ('metrics_by_scope', 'v'), ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
         ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,
     'every function has its intended volatility (pure: immutable; reads: stable; writes, '
     || 'locks or always raises: volatile)'
@@ -625,7 +627,8 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
     $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
              ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
+             ('inbox_accept'), ('list_abandoned'), ('metrics'), ('metrics_by_scope'),
+             ('release'), ('takeover')$$,
     'SECURITY DEFINER exactly on the lifecycle functions (and the three pure ones that call '
     || 'internal helpers)'
 );
