@@ -54,7 +54,7 @@ BEGIN
     VALUES (grant_usage.grantee, grant_usage.kind)
     ON CONFLICT DO NOTHING;
     IF grant_usage.kind = 'monitor' THEN
-        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz), '
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz, boolean), '
                        || 'idempotency.metrics_by_scope(timestamptz) TO %s',
                        grant_usage.grantee);
         RETURN;

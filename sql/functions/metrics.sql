@@ -4,15 +4,20 @@
 --   - the keys in progress, exactly: one pass over idempotency.keys reading state. No index
 --     serves it, on purpose (an index on state or lease_expires_at would make every complete()
 --     and heartbeat() a non-HOT update with a second index write; see sql/tables/keys.sql), so
---     its cost grows with the stored keys (docs/operations.md gives the time measured at a few
---     million keys). This is the only part that reads rows;
+--     its cost grows with the stored keys: about 1.5 s at 3 million keys (1 GB), measured in
+--     docs/operations.md. This is the only part that reads rows, and scan => false leaves it
+--     out (its columns are then NULL), so a scraper can read the cheap gauges on every scrape
+--     and the pass less often;
 --   - totals, completed keys, tombstones, rows in the default partition: the statistics
 --     collector's live-tuple counts (pg_stat_all_tables.n_live_tup), estimates that lag a
 --     little behind, read per partition without touching a row;
 --   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes);
 --   - the last maintain() run: the newest row of idempotency.maintenance_runs.
 -- The reference time is clock_timestamp(); only the schema's owner may move it (tests).
-CREATE FUNCTION idempotency.metrics(reference_time timestamptz DEFAULT NULL)
+CREATE FUNCTION idempotency.metrics(
+    reference_time timestamptz DEFAULT NULL,
+    scan boolean DEFAULT true
+)
 RETURNS idempotency.metrics_result
 LANGUAGE plpgsql
 VOLATILE
@@ -36,15 +41,20 @@ BEGIN
                           interval '30 days', true, interval '200 milliseconds');
     END IF;
 
-    SELECT count(*),
-           count(*) FILTER (WHERE k.lease_expires_at <= v_now),
-           min(k.created_at),
-           min(k.lease_expires_at) FILTER (WHERE k.lease_expires_at <= v_now)
-    INTO v_out.keys_in_progress, v_out.keys_expired_leases, v_oldest, v_oldest_expired
-    FROM idempotency.keys AS k
-    WHERE k.state = 'in_progress';
-    v_out.oldest_in_progress_age_seconds := extract(EPOCH FROM v_now - v_oldest);
-    v_out.oldest_expired_lease_age_seconds := extract(EPOCH FROM v_now - v_oldest_expired);
+    IF metrics.scan IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.metrics', 'scan', 'IK010',
+                                              'must not be NULL');
+    ELSIF metrics.scan THEN
+        SELECT count(*),
+               count(*) FILTER (WHERE k.lease_expires_at <= v_now),
+               min(k.created_at),
+               min(k.lease_expires_at) FILTER (WHERE k.lease_expires_at <= v_now)
+        INTO v_out.keys_in_progress, v_out.keys_expired_leases, v_oldest, v_oldest_expired
+        FROM idempotency.keys AS k
+        WHERE k.state = 'in_progress';
+        v_out.oldest_in_progress_age_seconds := extract(EPOCH FROM v_now - v_oldest);
+        v_out.oldest_expired_lease_age_seconds := extract(EPOCH FROM v_now - v_oldest_expired);
+    END IF;
 
     SELECT coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
                WHERE i.inhparent = 'idempotency.keys'::regclass), 0),
@@ -56,8 +66,10 @@ BEGIN
     WHERE i.inhparent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
                           'idempotency.tombstones'::regclass,
                           'idempotency.key_directory'::regclass);
-    v_out.keys_completed_estimate :=
-        greatest(v_out.keys_total_estimate - v_out.keys_in_progress, 0);
+    IF metrics.scan THEN
+        v_out.keys_completed_estimate :=
+            greatest(v_out.keys_total_estimate - v_out.keys_in_progress, 0);
+    END IF;
     v_out.keys_default_estimate := pg_stat_get_live_tuples('idempotency.keys_default'::regclass);
 
     SELECT count(*), count(*) FILTER (WHERE p.lower_bound > v_now)
@@ -97,8 +109,8 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency.metrics(timestamptz) IS
+COMMENT ON FUNCTION idempotency.metrics(timestamptz, boolean) IS
 'Gauges for monitoring, one row: keys in progress, expired leases and the oldest of each (exact,
-one pass over the keys in progress), estimated totals, completed keys, tombstones and rows in
+one pass over the keys in progress; NULL with scan => false), estimated totals, completed keys, tombstones and rows in
 the default partition, partitions and partitions ahead, bytes, seconds to the next drop, and
 the last maintain() run (age, duration, outcome, what it did). See docs/operations.md.';
