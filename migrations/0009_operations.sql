@@ -37,6 +37,8 @@ $guard$;
 --   granted before this migration are recorded from what they can execute now: claim makes a
 --   role a request role, takeover a completer (a role granted before 0006 has both), so a
 --   role granted at 0002 gets accept, complete_bytes and every later function of its kind.
+-- - Key inspection and repair for operators (pg-idempotency keys show | list | release):
+--   inspect_key(), list_keys(), force_release(), the schema owner's alone.
 
 -- sql/tables/grants.sql
 -- Which roles idempotency.grant_usage() let in, and as which kind. A migration that adds or
@@ -142,6 +144,36 @@ CREATE TYPE idempotency.scope_metrics AS (
 
 COMMENT ON TYPE idempotency.scope_metrics IS
 'Keys in progress of one scope, as idempotency.metrics_by_scope() returns them.';
+
+-- sql/types/key_info.sql
+-- One key as idempotency.inspect_key() and list_keys() show it to an operator.
+CREATE TYPE idempotency.key_info AS (
+    scope text,
+    key text,
+    -- in_progress | completed
+    state text,
+    lease_token bigint,
+    lease_expires_at timestamptz,
+    -- lease_expires_at is past: the next claim resumes the key, or a completer takes it over.
+    lease_expired boolean,
+    recovery_point text,
+    attempts integer,
+    response_status integer,
+    response_content_type text,
+    response_headers jsonb,
+    -- Bytes of the stored body (jsonb text or raw bytes); the body itself only on request.
+    response_body_size integer,
+    response_body jsonb,
+    response_body_bytes bytea,
+    created_at timestamptz,
+    completed_at timestamptz,
+    -- The partition of idempotency.keys holding the row.
+    partition_name text
+);
+
+COMMENT ON TYPE idempotency.key_info IS
+'One key as idempotency.inspect_key() and idempotency.list_keys() show it (the body only from
+inspect_key(..., body => true)).';
 
 
 INSERT INTO idempotency.grants (grantee, kind)
@@ -750,6 +782,147 @@ $$;
 COMMENT ON FUNCTION idempotency.metrics_by_scope(timestamptz) IS
 'Per scope with keys in progress: keys in progress, expired leases, the oldest key''s age in
 seconds. Exact, one pass over the keys in progress. See docs/operations.md.';
+
+-- sql/functions/inspect_key.sql
+-- For operators (pg-idempotency keys show): everything stored about one key but its body,
+-- unless body => true. The schema owner's alone: no grant_usage() kind includes it, because it
+-- reads any scope's stored responses. No row when the key is not stored (never claimed,
+-- released, or dropped after its retention).
+CREATE FUNCTION idempotency.inspect_key(scope text, key text, body boolean DEFAULT false)
+RETURNS SETOF idempotency.key_info
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM idempotency._check_name('idempotency.inspect_key', 'scope', inspect_key.scope);
+    PERFORM idempotency._check_name('idempotency.inspect_key', 'key', inspect_key.key);
+    IF inspect_key.body IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.inspect_key', 'body', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    RETURN QUERY
+    SELECT k.scope, k.key, k.state, k.lease_token, k.lease_expires_at,
+           k.state = 'in_progress' AND k.lease_expires_at <= clock_timestamp(),
+           k.recovery_point, k.attempts, k.response_status, k.response_content_type,
+           k.response_headers,
+           coalesce(octet_length(k.response_body::text), octet_length(k.response_body_bytes)),
+           CASE WHEN inspect_key.body THEN k.response_body END,
+           CASE WHEN inspect_key.body THEN k.response_body_bytes END,
+           k.created_at, k.completed_at, k.tableoid::regclass::text
+    FROM idempotency.keys AS k
+    WHERE k.scope = inspect_key.scope AND k.key = inspect_key.key;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.inspect_key(text, text, boolean) IS
+'One stored key for an operator: state, lease, attempts, recovery point, stored status,
+timestamps, partition; the body only with body => true. No row if not stored. Schema owner
+only. See docs/operations.md.';
+
+-- sql/functions/list_keys.sql
+-- For operators (pg-idempotency keys list): stored keys by scope, state, age and lease, oldest
+-- first, never with their bodies. The schema owner's alone, as inspect_key(). It reads every
+-- partition of idempotency.keys (no index serves state or age; see sql/tables/keys.sql), so it
+-- is for an investigation, not for a scraper (that is metrics()).
+CREATE FUNCTION idempotency.list_keys(
+    scope text DEFAULT NULL,
+    state text DEFAULT NULL,
+    older_than interval DEFAULT NULL,
+    expired_leases boolean DEFAULT false,
+    max_keys integer DEFAULT 100
+)
+RETURNS SETOF idempotency.key_info
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    IF list_keys.scope IS NOT NULL THEN
+        PERFORM idempotency._check_name('idempotency.list_keys', 'scope', list_keys.scope);
+    END IF;
+    IF list_keys.state IS NOT NULL AND list_keys.state NOT IN ('in_progress', 'completed') THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.list_keys', 'state', 'IK014',
+            'must be ''in_progress'' or ''completed''',
+            format('It is %s.', to_json(list_keys.state)));
+    END IF;
+    IF list_keys.older_than < interval '0' THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'older_than', 'IK014',
+                                              'must not be negative');
+    END IF;
+    IF list_keys.expired_leases IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'expired_leases',
+                                              'IK010', 'must not be NULL');
+    ELSIF list_keys.max_keys IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'max_keys', 'IK010',
+                                              'must not be NULL');
+    ELSIF list_keys.max_keys NOT BETWEEN 1 AND 10000 THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'max_keys', 'IK014',
+                                              'must be between 1 and 10000',
+                                              format('It is %s.', list_keys.max_keys));
+    END IF;
+    RETURN QUERY
+    SELECT k.scope, k.key, k.state, k.lease_token, k.lease_expires_at,
+           k.state = 'in_progress' AND k.lease_expires_at <= v_now,
+           k.recovery_point, k.attempts, k.response_status, k.response_content_type,
+           k.response_headers,
+           coalesce(octet_length(k.response_body::text), octet_length(k.response_body_bytes)),
+           NULL::jsonb, NULL::bytea, k.created_at, k.completed_at, k.tableoid::regclass::text
+    FROM idempotency.keys AS k
+    WHERE (list_keys.scope IS NULL OR k.scope = list_keys.scope)
+      AND (list_keys.state IS NULL OR k.state = list_keys.state)
+      AND (list_keys.older_than IS NULL OR k.created_at <= v_now - list_keys.older_than)
+      AND (NOT list_keys.expired_leases
+           OR (k.state = 'in_progress' AND k.lease_expires_at <= v_now))
+    ORDER BY k.created_at, k.scope, k.key
+    LIMIT list_keys.max_keys;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.list_keys(text, text, interval, boolean, integer) IS
+'Stored keys for an operator, oldest first, without bodies: filter by scope, state
+(in_progress, completed), older_than (age), expired_leases; at most max_keys (1-10000). Reads
+every partition. Schema owner only. See docs/operations.md.';
+
+-- sql/functions/force_release.sql
+-- For operators (pg-idempotency keys release): release a key in progress without holding its
+-- lease token, when the worker that holds it is gone and its lease is long (every retry gets
+-- in_progress, 409, until the lease expires). The next claim runs afresh (outcome claimed),
+-- without the recovery point. It goes through release() with the key's current token, so it is
+-- fenced like any release: if a retry or a completer takes the key over meanwhile, it raises
+-- IK001 and changes nothing. If the worker is in fact alive, its next fenced call (heartbeat,
+-- checkpoint, complete) raises IK003 and its transaction rolls back. The schema owner's alone:
+-- no grant_usage() kind includes it. Returns the lease token it released.
+CREATE FUNCTION idempotency.force_release(scope text, key text)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_token bigint;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.force_release', 'scope', force_release.scope);
+    PERFORM idempotency._check_name('idempotency.force_release', 'key', force_release.key);
+    SELECT k.lease_token INTO v_token
+    FROM idempotency.keys AS k
+    WHERE k.scope = force_release.scope AND k.key = force_release.key;
+    IF NOT FOUND THEN
+        -- release() raises IK003 (no such key) with its usual message.
+        v_token := 0;
+    END IF;
+    PERFORM idempotency.release(force_release.scope, force_release.key, v_token);
+    RETURN v_token;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.force_release(text, text) IS
+'Release a key in progress without its lease token (its worker is gone): the next claim runs
+afresh. Fenced by the current token (IK001 if taken over meanwhile); IK003 no such key, IK004
+completed. Schema owner only. Returns the released token. See docs/operations.md.';
 
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.

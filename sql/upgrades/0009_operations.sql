@@ -12,11 +12,14 @@
 --   granted before this migration are recorded from what they can execute now: claim makes a
 --   role a request role, takeover a completer (a role granted before 0006 has both), so a
 --   role granted at 0002 gets accept, complete_bytes and every later function of its kind.
+-- - Key inspection and repair for operators (pg-idempotency keys show | list | release):
+--   inspect_key(), list_keys(), force_release(), the schema owner's alone.
 
 -- @include tables/grants.sql
 -- @include tables/maintenance_runs.sql
 -- @include types/metrics_result.sql
 -- @include types/scope_metrics.sql
+-- @include types/key_info.sql
 
 INSERT INTO idempotency.grants (grantee, kind)
 SELECT DISTINCT
@@ -40,6 +43,9 @@ ON CONFLICT DO NOTHING;
 -- @replace functions/maintain.sql
 -- @include functions/metrics.sql
 -- @include functions/metrics_by_scope.sql
+-- @include functions/inspect_key.sql
+-- @include functions/list_keys.sql
+-- @include functions/force_release.sql
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

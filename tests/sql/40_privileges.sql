@@ -615,8 +615,9 @@ SELECT results_eq(
         ('_resume_row', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
-        ('derive_key', 'i'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
-        ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
+        ('derive_key', 'i'), ('fingerprint', 'i'), ('force_release', 'v'), ('grant_usage', 'v'),
+        ('heartbeat', 'v'), ('inbox_accept', 'v'), ('inspect_key', 's'), ('key_status', 'v'),
+        ('list_abandoned', 'v'), ('list_keys', 's'), ('maintain', 'v'),
         ('metrics', 'v'), ('metrics_by_scope', 'v'), ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
         ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,
     'every function has its intended volatility (pure: immutable; reads: stable; writes, '
