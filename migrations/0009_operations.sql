@@ -584,7 +584,7 @@ DECLARE
     v_step idempotency.maintenance_action;
     v_created integer := 0;
     v_dropped integer := 0;
-    v_rows bigint := 0;
+    v_rows bigint := 0::bigint;
     v_skipped integer := 0;
     v_not_done boolean := false;
     v_whole_run_skipped boolean := false;
@@ -688,15 +688,17 @@ BEGIN
         INTO v_out.keys_in_progress, v_out.keys_expired_leases, v_oldest, v_oldest_expired
         FROM idempotency.keys AS k
         WHERE k.state = 'in_progress';
-        v_out.oldest_in_progress_age_seconds := extract(EPOCH FROM v_now - v_oldest);
-        v_out.oldest_expired_lease_age_seconds := extract(EPOCH FROM v_now - v_oldest_expired);
+        v_out.oldest_in_progress_age_seconds :=
+            extract(EPOCH FROM v_now - v_oldest)::double precision;
+        v_out.oldest_expired_lease_age_seconds :=
+            extract(EPOCH FROM v_now - v_oldest_expired)::double precision;
     END IF;
 
     SELECT coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
-               WHERE i.inhparent = 'idempotency.keys'::regclass), 0),
+               WHERE i.inhparent = 'idempotency.keys'::regclass), 0)::bigint,
            coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
-               WHERE i.inhparent = 'idempotency.tombstones'::regclass), 0),
-           coalesce(sum(pg_total_relation_size(i.inhrelid)), 0)
+               WHERE i.inhparent = 'idempotency.tombstones'::regclass), 0)::bigint,
+           coalesce(sum(pg_total_relation_size(i.inhrelid)), 0)::bigint
     INTO v_out.keys_total_estimate, v_out.tombstones_estimate, v_out.total_bytes
     FROM pg_inherits AS i
     WHERE i.inhparent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
@@ -708,7 +710,7 @@ BEGIN
     END IF;
     v_out.keys_default_estimate := pg_stat_get_live_tuples('idempotency.keys_default'::regclass);
 
-    SELECT count(*), count(*) FILTER (WHERE p.lower_bound > v_now)
+    SELECT count(*)::integer, (count(*) FILTER (WHERE p.lower_bound > v_now))::integer
     INTO v_out.partitions, v_out.partitions_ahead
     FROM idempotency._partitions('keys') AS p
     WHERE NOT p.is_default;
@@ -728,13 +730,14 @@ BEGIN
           SELECT max(n.upper_bound) FROM idempotency._partitions(t.parent) AS n
           WHERE NOT n.is_default
       );
-    v_out.next_drop_seconds := extract(EPOCH FROM v_next_drop - v_now);
+    v_out.next_drop_seconds := extract(EPOCH FROM v_next_drop - v_now)::double precision;
 
     SELECT r.* INTO v_run FROM idempotency.maintenance_runs AS r ORDER BY r.id DESC LIMIT 1;
     IF FOUND THEN
-        v_out.maintain_last_run_age_seconds := extract(EPOCH FROM v_now - v_run.finished_at);
+        v_out.maintain_last_run_age_seconds :=
+            extract(EPOCH FROM v_now - v_run.finished_at)::double precision;
         v_out.maintain_last_duration_seconds :=
-            extract(EPOCH FROM v_run.finished_at - v_run.started_at);
+            extract(EPOCH FROM v_run.finished_at - v_run.started_at)::double precision;
         v_out.maintain_last_outcome := v_run.outcome;
         v_out.maintain_last_created := v_run.created;
         v_out.maintain_last_dropped := v_run.dropped;

@@ -14,7 +14,7 @@ DECLARE
     v_step idempotency.maintenance_action;
     v_created integer := 0;
     v_dropped integer := 0;
-    v_rows bigint := 0;
+    v_rows bigint := 0::bigint;
     v_skipped integer := 0;
     v_not_done boolean := false;
     v_whole_run_skipped boolean := false;
