@@ -23,6 +23,8 @@ STAMP  := $(VENV)/.installed
 
 DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
                postgresql-15-cron postgresql-15-partman pgbouncer
+# The Prometheus postgres exporter and promtool (tests/test_prometheus.py, monitoring/).
+DEB_PKGS    += prometheus-postgres-exporter prometheus
 # The Java, Go and Ruby conformance runners and their drivers (tests/conformance/*/).
 DEB_PKGS    += openjdk-17-jdk-headless libpostgresql-jdbc-java \
                golang-go golang-github-lib-pq-dev ruby ruby-pg

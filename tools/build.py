@@ -39,7 +39,7 @@ EXTENSION = "pg_idempotency"
 # The extension version each migration brings the schema to: CREATE EXTENSION installs the
 # last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later migration.
 VERSIONS = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0", 4: "0.4.0", 5: "0.5.0", 6: "0.6.0", 7: "0.7.0",
-            8: "0.8.0", 9: "0.9.0"}
+            8: "0.8.0", 9: "0.9.0", 10: "0.10.0"}
 VERSION = VERSIONS[max(VERSIONS)]
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
 # keys (until maintenance moves them out), the sequence's position is what keeps fencing
@@ -54,6 +54,7 @@ CONFIG_DUMP = {
     2: ["idempotency.tombstones_default"],
     5: ["idempotency.key_directory_default"],
     9: ["idempotency.key_directory"],
+    10: ["idempotency.grants"],
 }
 # Per migration: what it drops of the tables above (a full script must not mark them).
 CONFIG_DROPPED = {
@@ -63,13 +64,28 @@ EXTENSION_PROLOGUE = (
     "-- Tells sql/bootstrap.sql that it runs inside CREATE EXTENSION (see there).\n"
     "SELECT pg_catalog.set_config('idempotency.creating_extension', 'on', true);\n"
 )
-# Each migration pins search_path for its own transaction first: CHECK constraints, column
+# Each migration pins search_path for its own statements first: CHECK constraints, column
 # defaults and function defaults bind their operators and functions when they are created, so
 # an installer whose search_path puts another schema first would otherwise bind them to that
-# schema's look-alikes. (Inside CREATE EXTENSION the setting ends with the script.)
+# schema's look-alikes. The pin must not outlive the file: a migration tool (Django's RunSQL,
+# Alembic's op.execute) goes on in the same transaction and records the migration in its own
+# unqualified table (django_migrations, alembic_version). So the file saves the installer's
+# value first and puts it back last (SEARCH_PATH_RESTORE), both local to the transaction.
+# (Inside CREATE EXTENSION the setting ends with the script anyway.)
 SEARCH_PATH_PIN = (
-    "-- Objects created below bind to pg_catalog, whatever the installer's search_path.\n"
+    "-- Objects created below bind to pg_catalog, whatever the installer's search_path; the\n"
+    "-- installer's own value is saved here and put back at the end of the file.\n"
+    "SELECT pg_catalog.set_config(\n"
+    "    'idempotency.installer_search_path', pg_catalog.current_setting('search_path'), true\n"
+    ");\n"
     "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);\n\n"
+)
+SEARCH_PATH_RESTORE = (
+    "\n-- The installer's search_path again, for whatever its tool runs next in this "
+    "transaction.\n"
+    "SELECT pg_catalog.set_config(\n"
+    "    'search_path', pg_catalog.current_setting('idempotency.installer_search_path'), true\n"
+    ");\n"
 )
 # From 0004 on, a migration refuses to run a second time: re-running one after a later one
 # would put its older functions back.
@@ -87,6 +103,16 @@ MIGRATION_GUARD = (
     "    END IF;\n"
     "END\n"
     "$guard$;\n\n"
+)
+# From 0010 on, a migration ends by granting every role recorded by grant_usage() the
+# functions of its kind again (sql/functions/_reapply_grants.sql): a function the migration
+# adds, or drops and makes again, would otherwise be executable by its owner alone, and a role
+# granted at an older version would get "permission denied" after the upgrade. (If this
+# migration is renumbered, REGRANT_FROM follows it: the function must exist by then.)
+REGRANT_FROM = 10
+REGRANT = (
+    "\n-- Every role granted with grant_usage() gets the functions of its kind as they are now.\n"
+    "SELECT idempotency._reapply_grants() AS grants_reapplied;\n"
 )
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -157,10 +183,12 @@ def migration_text(version: int, name: str) -> str:
         + (MIGRATION_GUARD.format(version=version, label=f"{version:04d}_{name}")
            if version >= GUARD_FROM else "")
         + body
+        + (REGRANT if version >= REGRANT_FROM else "")
         + "\n-- Record this migration, whichever tool applied it.\n"
         "INSERT INTO idempotency.migrations (version, name)\n"
         f"VALUES ({version}, '{version:04d}_{name}')\n"
         "ON CONFLICT (version) DO NOTHING;\n"
+        + SEARCH_PATH_RESTORE
     )
 
 

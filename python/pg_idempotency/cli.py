@@ -6,12 +6,19 @@
     pg-idempotency status [--dsn DSN]      keys per scope by state, partitions, the next drop
                   [--limit N] [--json]
     pg-idempotency demo [--dsn DSN]        the payments example under a retry storm (extra: demo)
+    pg-idempotency keys show SCOPE KEY [--body] [--json]    one key (never its body by default)
+    pg-idempotency keys list [--scope S] [--state in_progress|completed|released]
+                             [--older-than SECONDS]
+                             [--expired-leases] [--limit N] [--json]
+    pg-idempotency keys release SCOPE KEY [--yes] [--json]  release a stuck key in progress
     pg-idempotency --version
 
 Every failure is one line on stderr and a non-zero exit status: 1 for a database or migration
 error (unreachable server, failed authentication, schema missing), 2 for a usage error (bad
 arguments, no DSN, an invalid DSN), 3 when maintain still skipped a partition for a lock, 130
-when interrupted.
+when interrupted. pg-idempotency keys: 4 when the key is not stored (show, release), 5 when
+release was refused (the key is completed or released, or was taken over meanwhile), 6 when
+release was not confirmed (answered no, or no terminal and no --yes).
 
 A subcommand is one :class:`Command` in :data:`COMMANDS`: its name, help texts and a
 ``run(args, conn)`` function. ``database=True`` gives it ``--dsn`` / $DATABASE_URL and an open
@@ -27,9 +34,12 @@ import re
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
 
 from . import __version__, maintenance, queries
 from .migrate import MigrationError, install_sql, migrate, migrations
@@ -179,6 +189,168 @@ def demo_arguments(p: argparse.ArgumentParser) -> None:
                    help="print the summary as JSON on stdout, no progress bar")
 
 
+# -- keys show | list | release ----------------------------------------------------------------
+
+KEY_NOT_FOUND = 4
+RELEASE_REFUSED = 5
+NOT_CONFIRMED = 6
+
+
+def _key_rows(conn: psycopg.Connection, query: str, params: dict[str, Any]) -> list[dict]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        return cur.execute(query, params).fetchall()  # type: ignore[arg-type]
+
+
+def _jsonable(row: dict) -> dict:
+    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in row.items()}
+
+
+def _key_text(row: dict, body: bool) -> str:
+    fields = ["state", "lease_expires_at", "lease_expired", "recovery_point",
+              "attempts", "response_status", "response_content_type", "response_headers",
+              "response_body_size", "created_at", "completed_at", "partition_name"]
+    if body:
+        fields += ["response_body", "response_body_base64"]
+    lines = [f"key {row['key']!r} of scope {row['scope']!r}"]
+    for name in fields:
+        value = row[name]
+        if isinstance(value, dict):
+            value = json.dumps(value, sort_keys=True)
+        lines.append(f"  {name + ':':<24}{'-' if value is None else value}")
+    return "\n".join(lines)
+
+
+def _show(conn: psycopg.Connection, scope: str, key: str, body: bool) -> dict | None:
+    rows = _key_rows(conn, queries.KEY_SHOW, {"scope": scope, "key": key, "body": body})
+    return rows[0] if rows else None
+
+
+def cmd_keys(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    assert conn is not None
+    try:
+        if args.keys_action == "show":
+            row = _show(conn, args.scope, args.key, args.body)
+            if row is None:
+                print(json.dumps(None) if args.json else
+                      f"no key {args.key!r} in scope {args.scope!r} (never claimed, or past "
+                      "its retention)")
+                return KEY_NOT_FOUND
+            print(json.dumps(_jsonable(row), indent=2) if args.json
+                  else _key_text(row, args.body))
+            return 0
+        if args.keys_action == "list":
+            rows = _key_rows(conn, queries.KEY_LIST, {
+                "scope": args.scope, "state": args.state,
+                "older_than": None if args.older_than is None else f"{args.older_than} seconds",
+                "expired_leases": args.expired_leases, "max_keys": args.limit})
+            if args.json:
+                print(json.dumps([_jsonable(r) for r in rows], indent=2))
+            else:
+                for r in rows:
+                    lease = ("expired" if r["lease_expired"] else
+                             f"until {r['lease_expires_at']:%Y-%m-%d %H:%M:%S%z}"
+                             if r["state"] == "in_progress" else "")
+                    print(f"{r['scope']}\t{r['key']}\t{r['state']}\t{lease}\t"
+                          f"attempts={r['attempts']}\tcreated={r['created_at']:%Y-%m-%d %H:%M:%S%z}"
+                          f"\t{r['partition_name']}")
+                print(f"{len(rows)} key(s)", file=sys.stderr)
+            return 0
+        return _release(args, conn)
+    except psycopg.Error as exc:
+        raise CliError(f"keys {args.keys_action} failed: {_describe(exc)}") from None
+
+
+def _release(args: argparse.Namespace, conn: psycopg.Connection) -> int:
+    row = _show(conn, args.scope, args.key, False)
+    if row is None:
+        print(json.dumps({"released": False, "reason": "not stored"}) if args.json else
+              f"no key {args.key!r} in scope {args.scope!r}: nothing to release")
+        return KEY_NOT_FOUND
+    if row["state"] != "in_progress":
+        print(json.dumps({"released": False, "reason": row["state"], "key": _jsonable(row)})
+              if args.json else
+              f"key {args.key!r} of scope {args.scope!r} is {row['state']}: "
+              + ("retries replay its stored response" if row["state"] == "completed" else
+                 "its next claim runs afresh") + "; nothing to release")
+        return RELEASE_REFUSED
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(f"{PROG}: not released: confirm on a terminal, or pass --yes",
+                  file=sys.stderr)
+            return NOT_CONFIRMED
+        lease = "expired" if row["lease_expired"] else f"live until {row['lease_expires_at']}"
+        print(f"{_key_text(row, False)}\n\nRelease it? Its holder (lease {lease}) must be gone: "
+              "the next retry runs the operation afresh, without the recovery point.",
+              file=sys.stderr)
+        answer = input("Release this key? [y/N] ").strip().lower()
+        if answer not in ("y", "yes"):
+            print("not released", file=sys.stderr)
+            return NOT_CONFIRMED
+    try:
+        conn.execute(queries.KEY_RELEASE, {"scope": args.scope, "key": args.key})
+    except psycopg.Error as exc:
+        if exc.sqlstate in ("IK001", "IK004"):
+            print(json.dumps({"released": False, "reason": _describe(exc)}) if args.json else
+                  f"not released: {_describe(exc)}")
+            return RELEASE_REFUSED
+        if exc.sqlstate == "IK003":  # gone or released since it was shown
+            print(json.dumps({"released": False, "reason": "not in progress"}) if args.json
+                  else f"not released: {_describe(exc)}")
+            return KEY_NOT_FOUND
+        raise
+    if args.json:
+        print(json.dumps({"released": True, "key": _jsonable(row)}, indent=2))
+    else:
+        print(f"released key {args.key!r} of scope {args.scope!r} ({row['attempts']} "
+              f"attempt(s), in progress since {row['created_at']}, recovery point "
+              f"{row['recovery_point']!r}): the next retry runs afresh")
+    return 0
+
+
+def _older_than(text: str) -> float:
+    return _seconds(text)
+
+
+def keys_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="keys_action", metavar="ACTION", required=True)
+    show = sub.add_parser("show", help="everything stored about one key but its body",
+                          description="State, lease (expiry, expired?; never the token), attempts, "
+                          "recovery point, stored status, content type and headers, body "
+                          "size, timestamps and the partition holding the key. The body only "
+                          "with --body. Exit status 4 when the key is not stored.")
+    show.add_argument("scope")
+    show.add_argument("key")
+    show.add_argument("--body", action="store_true", help="include the stored body")
+    show.add_argument("--json", action="store_true", help="print one JSON object")
+    lst = sub.add_parser("list", help="stored keys, oldest first, without bodies",
+                         description="Reads every partition of idempotency.keys: for an "
+                         "investigation, not for monitoring (use idempotency.metrics()).")
+    lst.add_argument("--scope", help="only this scope")
+    lst.add_argument("--state", choices=("in_progress", "completed", "released"),
+                     help="only this state")
+    lst.add_argument("--older-than", type=_older_than, metavar="SECONDS",
+                     help="only keys created at least SECONDS ago")
+    lst.add_argument("--expired-leases", action="store_true",
+                     help="only keys in progress whose lease expired")
+    lst.add_argument("--limit", type=_positive, default=100, metavar="N",
+                     help="at most N keys (default 100, at most 10000)")
+    lst.add_argument("--json", action="store_true", help="print a JSON array")
+    rel = sub.add_parser("release", help="release a stuck key in progress (schema owner only)",
+                         description="For a key whose worker is gone while its lease still "
+                         "runs (every retry answers 409): release it so the next retry runs "
+                         "afresh (without the recovery point). Fenced: if a retry or a "
+                         "completer takes the key over meanwhile, nothing is released (exit "
+                         "5). Asks for confirmation unless --yes. Exit status 4: not stored; "
+                         "5: completed, released or taken over; 6: not confirmed.")
+    rel.add_argument("scope")
+    rel.add_argument("key")
+    rel.add_argument("--yes", action="store_true", help="do not ask for confirmation")
+    rel.add_argument("--json", action="store_true", help="print the outcome as JSON")
+    for action in (show, lst, rel):  # --dsn after the action too (keys show --dsn DSN S K)
+        action.add_argument("--dsn", metavar="DSN", default=argparse.SUPPRESS,
+                            help="as for keys (default: $DATABASE_URL)")
+
+
 COMMANDS: list[Command] = [
     Command(
         "migrate", run=cmd_migrate, database=True,
@@ -217,6 +389,14 @@ COMMANDS: list[Command] = [
         "completed and as tombstones, the oldest in-progress key and the expired leases "
         "waiting for a takeover; then the partitions with row counts and sizes, and the "
         "next drop. --json prints the same as one JSON object.",
+    ),
+    Command(
+        "keys", run=cmd_keys, database=True, needs_schema=True, arguments=keys_arguments,
+        help="show, list or release keys (schema owner)",
+        description="Inspect one key (show), find keys by scope, state, age or expired lease "
+        "(list), and release a key stuck in progress (release). Bodies are never shown "
+        "unless asked for. Exit status: 0 done, 1 database error, 2 usage, 4 key not "
+        "stored, 5 release refused, 6 release not confirmed. See docs/operations.md.",
     ),
     Command(
         "demo", run=cmd_demo, database=True, arguments=demo_arguments,

@@ -167,6 +167,23 @@ SELECT parent_table, partition_name, {_seconds("lower_bound")}, {_seconds("upper
 FROM idempotency.partition_status(reference_time => %(reference_time)s::timestamptz)
 """
 
+# -- key inspection and repair (cli.py: pg-idempotency keys) --------------------------------
+
+_KEY_INFO_COLUMNS = (
+    "scope, key, state, lease_expires_at, lease_expired, recovery_point, "
+    "attempts, response_status, response_content_type, response_headers, response_body_size, "
+    "response_body, encode(response_body_bytes, 'base64') AS response_body_base64, created_at, "
+    "completed_at, partition_name")
+KEY_SHOW: Final = (
+    f"SELECT {_KEY_INFO_COLUMNS} FROM idempotency.inspect_key("
+    "scope => %(scope)s::text, key => %(key)s::text, body => %(body)s::boolean)")
+KEY_LIST: Final = (
+    f"SELECT {_KEY_INFO_COLUMNS} FROM idempotency.list_keys("
+    "scope => %(scope)s::text, state => %(state)s::text, older_than => %(older_than)s::interval, "
+    "expired_leases => %(expired_leases)s::boolean, max_keys => %(max_keys)s::integer)")
+KEY_RELEASE: Final = (
+    "SELECT idempotency.force_release(scope => %(scope)s::text, key => %(key)s::text)")
+
 # -- the installed schema (migrate.py keeps its own statements next to its lock) -------------
 
 SCHEMA_INSTALLED: Final = (

@@ -6,6 +6,15 @@
 --                                        they are created with colocate_with => 'idempotency.keys'
 --   inbox                                distributed by consumer, in the same co-location group
 --   settings, migrations                 reference tables (a copy on every node)
+--   grants, maintenance_runs             left on the coordinator, as plain local tables: grants
+--                                        holds regrole OIDs, which are the coordinator's own
+--                                        (each node numbers its roles itself), and is read only
+--                                        by _reapply_grants() in a migration, on the
+--                                        coordinator (Citus propagates the GRANTs it makes);
+--                                        maintenance_runs is written by maintain() and read by
+--                                        metrics(), both run through the coordinator (the
+--                                        partition DDL is the coordinator's), so a reference
+--                                        table would only add a write to every node per run
 --   claim, complete, complete_bytes,     delegated to the node holding the scope's shard, inside
 --   heartbeat, checkpoint, accept,       transaction blocks too (force_delegation): the whole
 --   release, takeover; inbox_accept      body runs there, next to the rows, in one hop

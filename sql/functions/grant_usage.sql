@@ -11,7 +11,12 @@
 -- the fenced calls that finish the work. A takeover returns a completed key's stored response,
 -- so grant it only to roles trusted with every scope they can name (list_abandoned(scope =>)
 -- limits a completer to one scope by convention, not by privilege).
--- A role may be granted both. Grants add up; revoke with REVOKE EXECUTE (docs/install.md).
+-- kind 'monitor' is for scrapers (the Prometheus postgres exporter): metrics() and
+-- metrics_by_scope() only, which read counts, ages and sizes, never a key or a response.
+-- A role may be granted several kinds. Grants add up, and each is recorded in
+-- idempotency.grants, so every later migration grants the role what its kind has then
+-- (idempotency._reapply_grants). To take a kind away, delete its row and REVOKE EXECUTE
+-- (docs/install.md, Privileges).
 CREATE FUNCTION idempotency.grant_usage(grantee regrole, kind text DEFAULT 'request')
 RETURNS void
 LANGUAGE plpgsql
@@ -38,12 +43,22 @@ BEGIN
     ELSIF grant_usage.kind IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'kind', 'IK010',
                                               'must not be NULL');
-    ELSIF grant_usage.kind NOT IN ('request', 'completer') THEN
+    ELSIF grant_usage.kind NOT IN ('request', 'completer', 'monitor') THEN
         PERFORM idempotency._invalid_argument(
-            'idempotency.grant_usage', 'kind', 'IK014', 'must be ''request'' or ''completer''',
+            'idempotency.grant_usage', 'kind', 'IK014',
+            'must be ''request'', ''completer'' or ''monitor''',
             format('It is %s.', to_json(grant_usage.kind)));
     END IF;
     EXECUTE format('GRANT USAGE ON SCHEMA idempotency TO %s', grant_usage.grantee);
+    INSERT INTO idempotency.grants (grantee, kind)
+    VALUES (grant_usage.grantee, grant_usage.kind)
+    ON CONFLICT DO NOTHING;
+    IF grant_usage.kind = 'monitor' THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz, boolean), '
+                       || 'idempotency.metrics_by_scope(timestamptz) TO %s',
+                       grant_usage.grantee);
+        RETURN;
+    END IF;
     EXECUTE format(
         'GRANT EXECUTE ON FUNCTION %s, %s TO %s', v_common,
         CASE grant_usage.kind
@@ -62,4 +77,6 @@ COMMENT ON FUNCTION idempotency.grant_usage(regrole, text) IS
 'Let grantee call the functions of one kind of application role, without any privilege on the
 tables. kind request (handlers): claim, inbox_accept; completer (background completers):
 takeover, list_abandoned; both: checkpoint, heartbeat, complete, complete_bytes, accept,
-release, fingerprint, canonical_json, derive_key. See docs/sql-api.md.';
+release, fingerprint, canonical_json, derive_key; monitor (scrapers): metrics,
+metrics_by_scope. Recorded in idempotency.grants and re-applied by later migrations. See
+docs/sql-api.md.';

@@ -65,10 +65,12 @@ SELECT cmp_ok(
     '>=', 15::bigint,
     'the checks below see the tables and partitions'
 );
-SELECT is_empty(
-    $$SELECT c.oid::regclass FROM pg_class AS c
+SELECT results_eq(
+    $$SELECT c.oid::regclass::text FROM pg_class AS c
       WHERE c.relnamespace = 'idempotency'::regnamespace AND c.relkind = 'S'$$,
-    'no sequence in the schema (since 0.9.0 lease tokens are made per key by _new_token)'
+    $$VALUES ('idempotency.maintenance_runs_id_seq')$$,
+    'no sequence in the schema but the identity of maintenance_runs (since 0.9.0 lease tokens '
+    || 'are made per key by _new_token)'
 );
 SELECT is_empty(
     $$SELECT c.oid::regclass FROM pg_class AS c CROSS JOIN LATERAL aclexplode(c.relacl) AS a
@@ -611,17 +613,20 @@ SELECT results_eq(
         ('_finish', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_key_hash', 'i'), ('_key_row', 'v'), ('_lease_error', 's'),
-        ('_lease_ok', 'i'), ('_make_partitions', 'v'),
+        ('_lease_ok', 'i'), ('_maintain', 'v'), ('_make_partitions', 'v'),
         ('_make_routes', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
-        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'), ('_release_row', 'v'),
+        ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
+        ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_resume_row', 'v'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
-        ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 'i'), ('grant_usage', 'v'), ('heartbeat', 'v'),
-        ('inbox_accept', 'v'), ('key_status', 'v'), ('list_abandoned', 'v'), ('maintain', 'v'),
-        ('partition_status', 'v'), ('release', 'v'), ('schedule_maintenance', 'v'),
+        ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 'i'), ('force_release', 'v'),
+        ('grant_usage', 'v'), ('heartbeat', 'v'), ('inbox_accept', 'v'), ('inspect_key', 's'),
+        ('key_status', 'v'), ('list_abandoned', 'v'), ('list_keys', 's'), ('maintain', 'v'),
+        ('metrics', 'v'), ('metrics_by_scope', 'v'), ('partition_status', 'v'), ('release', 'v'),
+        ('schedule_maintenance', 'v'),
         ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,
     'every function has its intended volatility (pure: immutable; reads: stable; writes, '
     || 'locks or always raises: volatile)'
@@ -631,7 +636,8 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
     $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
              ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
+             ('inbox_accept'), ('list_abandoned'), ('metrics'), ('metrics_by_scope'),
+             ('release'), ('takeover')$$,
     'SECURITY DEFINER exactly on the lifecycle functions (and the three pure ones that call '
     || 'internal helpers)'
 );

@@ -20,8 +20,9 @@ from ..migrate import migrations as bundled
 _LOCK = f"SELECT pg_catalog.pg_advisory_xact_lock({int(LOCK_KEY)})"
 _HAS_TABLE = "SELECT pg_catalog.to_regclass('idempotency.migrations') IS NOT NULL"
 _SEARCH_PATH = "SELECT pg_catalog.current_setting('search_path')"
-# Each file pins search_path for the rest of its transaction (set_config(..., true)); Django
-# records the migration in django_migrations in that same transaction, so put it back.
+# Django records the migration in django_migrations in the file's transaction, so the
+# search_path must be the installer's again afterwards. Every file puts it back itself now
+# (tools/build.py); this stays for a file that might not (belt and braces).
 _RESTORE_SEARCH_PATH = "SELECT pg_catalog.set_config('search_path', %s, true)"
 _RECORDED = "SELECT EXISTS (SELECT FROM idempotency.migrations WHERE version = %s::integer)"
 

@@ -1,0 +1,19 @@
+-- Which roles idempotency.grant_usage() let in, and as which kind. A migration that adds or
+-- re-creates a public function calls idempotency._reapply_grants() (tools/build.py appends the
+-- call to every migration from 0010 on), so a role granted at any version can call every
+-- function of its kind after any upgrade: a new function gets its grants, and a function that
+-- was dropped and made again gets them back. Revoking by hand (REVOKE EXECUTE) is undone by
+-- the next upgrade unless the row goes too (docs/install.md, Privileges).
+CREATE TABLE idempotency.grants (
+    grantee regrole NOT NULL,
+    -- request | completer | monitor
+    kind text NOT NULL,
+    granted_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    PRIMARY KEY (grantee, kind)
+);
+
+COMMENT ON TABLE idempotency.grants IS
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor);
+re-applied by every migration from 0010 on.';
+
+REVOKE ALL ON idempotency.grants FROM public;
