@@ -1,7 +1,9 @@
 # pg_idempotency: build, lint and test.
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
-#                build, node-postgres for the conformance runner), then lint, then pytest
+#                build, node-postgres for the conformance runner, Citus built from
+#                ../shared/citus/ into both servers, cached in build/citus/), then lint,
+#                then pytest
 #                on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
 #                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
@@ -44,13 +46,13 @@ PYTEST_ARGS    ?=
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test run setup deb-deps node-deps pgtap-pg18 build-ext lint bench clean
+.PHONY: test run setup deb-deps node-deps pgtap-pg18 build-ext citus lint bench clean
 
 test: setup
 	@$(MAKE) --no-print-directory lint
 	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-setup: deb-deps $(STAMP) pgtap-pg18 build-ext node-deps
+setup: deb-deps $(STAMP) pgtap-pg18 build-ext node-deps citus
 
 # Only touches apt when a package is missing, so a second run costs three dpkg calls.
 deb-deps:
@@ -90,6 +92,13 @@ pgtap-pg18: $(STAMP)
 
 build-ext: $(STAMP)
 	$(PY) tools/build.py
+
+# Citus 14.0.1 into the wheel's PG 18, 13.2.2 into Debian's PG 15, from ../shared/citus/.
+# Builds only on a cache miss (build/citus/, keyed on tag, server version and compiler);
+# its build packages are installed only when missing. No sources: a loud warning here, and
+# the Citus tests fail.
+citus: deb-deps $(STAMP)
+	@$(PY) tools/build_citus.py
 
 lint: $(STAMP)
 	$(PY) tools/build.py --check > /dev/null
