@@ -158,7 +158,9 @@ def build(flavour: str, tarball: Path, out: Path) -> None:
             open(log, "w") as logf:
         work_dir = Path(work)
         with tarfile.open(tarball) as tf:
-            tf.extractall(work_dir, filter="data")
+            # filter= only from Python 3.11.4 (Debian 12 has 3.11.2); our own tarball
+            tf.extractall(work_dir, **({"filter": "data"} if hasattr(tarfile, "data_filter")
+                                       else {}))
         (src,) = [p for p in work_dir.iterdir() if p.is_dir()]
         patch_tree(src)
         env = {**os.environ, "PG_CONFIG": str(bindir(flavour) / "pg_config"), "CC": CC}
