@@ -135,7 +135,6 @@ class PgServer:
         self.tmpdir: Path | None = None
         self.port: int | None = None
         self._pg: _Postgresql | None = None
-        self._psql: Path | None = None
         if not (self.bindir / "postgres").exists():
             raise HarnessError(f"no postgres binary in {self.bindir}")
 
@@ -148,11 +147,6 @@ class PgServer:
     def socket_dir(self) -> Path:
         assert self.tmpdir is not None, "server not started"
         return self.tmpdir / "tmp"
-
-    @property
-    def logfile(self) -> Path:
-        assert self.tmpdir is not None, "server not started"
-        return self.tmpdir / "Postgresql.log"
 
     def pg_config(self, option: str) -> str:
         return subprocess.run([str(self.bindir / "pg_config"), option], check=True,
@@ -247,16 +241,7 @@ class PgServer:
 
     @property
     def psql(self) -> Path:
-        """This install's psql if it runs here (shared libs resolve), else Debian's."""
-        if self._psql is None:
-            for cand in (self.bindir / "psql", PG15_BINDIR / "psql"):
-                if subprocess.run([str(cand), "--version"], capture_output=True,
-                                  env=_clean_env()).returncode == 0:
-                    self._psql = cand
-                    break
-            else:
-                raise HarnessError(f"no working psql in {self.bindir} or {PG15_BINDIR}")
-        return self._psql
+        return self.bindir / "psql"
 
     def run_psql(self, dsn: str, file_or_sql: str | os.PathLike[str], **kwargs: object
                  ) -> subprocess.CompletedProcess[str]:
