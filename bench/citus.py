@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the engine on Citus (a coordinator and two workers) against one server.
 
-Three measurements, printed as tables; this is a benchmark, not a test (tests/test_citus.py
+Four measurements, printed as tables; this is a benchmark, not a test (tests/test_citus.py
 holds the guarantees), so it asserts nothing about the figures:
 
 1. Hops. Each per-key call (claim, heartbeat, checkpoint, accept, complete, release, takeover),
@@ -24,6 +24,8 @@ holds the guarantees), so it asserts nothing about the figures:
    counted by pg_stat_statements over the same window, and pg_stat_statements' own mean
    execution time of the delegated calls on the workers. docs/scale-out.md builds its capacity
    model from these.
+4. Where a worker's time goes: one more run with ``track = all`` and ``track_planning = on`` on
+   the first worker, its busiest statements, top-level (the delegated calls) and nested.
 
 All servers share this machine's cores with pgbench: latency through three servers on one box
 says nothing about scale-out throughput, which needs a worker per machine. Run it alone.
