@@ -197,10 +197,12 @@ class Hops:
     shard_on: str
     commands: list[tuple[str, str]] = field(default_factory=list)  # (node, command)
     body_on: dict[str, int] = field(default_factory=dict)  # node -> nested idempotency stmts
+    local: list[str] = field(default_factory=list)  # statements Citus ran locally on the shard
     error: str | None = None
 
 
 REMOTE = re.compile(r"^issuing (.*)$", re.S)
+LOCAL = re.compile(r"^executing the command locally: (.*)$", re.S)
 ON_SERVER = re.compile(r"on server \S+@[^:]+:(\d+)")
 
 
@@ -277,12 +279,16 @@ def _minutes_ago(minutes: int) -> datetime:
 def measure_hops(cluster: Cluster) -> list[Hops]:
     names = node_names(cluster)
     results: list[Hops] = []
-    with psycopg.connect(cluster.coordinator.dsn(DB), autocommit=True) as conn:
-        scopes = {"autocommit": scope_on(conn, cluster, "w1"),
-                  "transaction": scope_on(conn, cluster, "w2")}
-    for mode, scope in scopes.items():
+    coordinator, w1 = cluster.coordinator, cluster.workers[0]
+    with psycopg.connect(coordinator.dsn(DB), autocommit=True) as conn:
+        on_w1, on_w2 = scope_on(conn, cluster, "w1"), scope_on(conn, cluster, "w2")
+    # (mode, the server the client connects to, scope); "transaction" wraps the call in
+    # BEGIN; a co-located business insert; the call; COMMIT
+    runs = [("autocommit", coordinator, on_w1), ("transaction", coordinator, on_w2),
+            ("w1, local", w1, on_w1), ("w1, routed", w1, on_w2)]
+    for mode, entry, scope in runs:
         for attempt in ("warm-up", "measured"):
-            with psycopg.connect(cluster.coordinator.dsn(DB), autocommit=True) as conn:
+            with psycopg.connect(entry.dsn(DB), autocommit=True) as conn:
                 # (message, detail), copied in the handler: a Diagnostic is empty after it
                 notices: list[tuple[str, str]] = []
                 conn.add_notice_handler(lambda d, notices=notices: notices.append(
@@ -291,8 +297,8 @@ def measure_hops(cluster: Cluster) -> list[Hops]:
                 conn.execute("SET client_min_messages = log")
                 shard = shard_node(conn, cluster, scope)
 
-                def on_call(name, query, params, mode=mode, scope=scope, shard=shard,
-                            attempt=attempt, conn=conn, notices=notices):
+                def on_call(name, query, params, mode=mode, entry=entry, scope=scope,
+                            shard=shard, attempt=attempt, conn=conn, notices=notices):
                     hops = Hops(name, mode, shard)
                     reset_stats(cluster)
                     notices.clear()
@@ -308,16 +314,17 @@ def measure_hops(cluster: Cluster) -> list[Hops]:
                         hops.error = f"{exc.sqlstate}: {exc}".splitlines()[0]
                     for message, detail in notices:
                         m = REMOTE.match(message)
-                        if not m:
-                            continue
-                        port = ON_SERVER.search(detail)
-                        node = names.get(int(port.group(1)), "?") if port else "?"
-                        hops.commands.append((node, short(m.group(1))))
+                        if m:
+                            port = ON_SERVER.search(detail)
+                            node = names.get(int(port.group(1)), "?") if port else "?"
+                            hops.commands.append((node, short(m.group(1))))
+                        elif m := LOCAL.match(message):
+                            hops.local.append(short(m.group(1)))
                     hops.body_on = count_body(cluster)
                     if attempt == "measured":
                         results.append(hops)
                     if row is None:
-                        raise SystemExit(f"{name} ({mode}) failed through the coordinator: "
+                        raise SystemExit(f"{name} ({mode}) failed through {entry.name}: "
                                          f"{hops.error}")
                     return row
 
@@ -326,18 +333,22 @@ def measure_hops(cluster: Cluster) -> list[Hops]:
 
 
 def print_hops(results: list[Hops]) -> None:
-    print("\n1. Commands each call sent from the coordinator to other nodes (one session, "
-          "warm), and where the function body ran:")
+    print("\n1. Commands each call sent to other nodes (one session, warm), and where the "
+          "function body ran:")
     print(f"  {'call':<11s} {'mode':<12s} {'shard':<6s} {'nodes':<7s} {'cmds':>4s}  "
           f"{'body ran on (nested stmts)':<27s} commands")
     for h in results:
         nodes = sorted({n for n, _ in h.commands})
         body = ", ".join(f"{n} {c}" for n, c in h.body_on.items() if c) or "-"
         cmds = "; ".join(f"{c}" for _, c in h.commands)
+        if h.local:
+            cmds += f" [{len(h.local)} statements executed locally on the shard]"
         print(f"  {h.call:<11s} {h.mode:<12s} {h.shard_on:<6s} {','.join(nodes) or '-':<7s} "
               f"{len(h.commands):>4d}  {body:<27s} {cmds}")
-    print("  transaction = BEGIN; INSERT INTO bench_ledger (co-located, same scope); the call; "
-          "COMMIT.")
+    print("  autocommit, transaction: the client on the coordinator; transaction = BEGIN; INSERT "
+          "INTO bench_ledger (co-located, same scope); the call; COMMIT.\n"
+          "  w1, local / w1, routed: the client on worker w1, autocommit, a scope whose shard is "
+          "on w1 / on w2.")
 
 
 # -- 2. and 3. throughput and server time -------------------------------------------------------
@@ -381,31 +392,46 @@ def stmt_stats(server: pgharness.PgServer) -> tuple[int, int, float, float]:
         return conn.execute(CALLS).fetchone()
 
 
-def pgbench_round(entry: pgharness.PgServer, servers: dict[str, pgharness.PgServer],
-                  script: Path, seconds: int, clients: int, ticks: int) -> dict:
-    """One pgbench run through entry; snapshots of CPU and statement counters of every server
-    in servers, 1 s after the start and 1 s before the end."""
-    proc = subprocess.Popen(
-        [str(entry.bindir / "pgbench"), "-n", "-M", "prepared", "-c", str(clients),
-         "-j", str(min(clients, 2)), "-T", str(seconds), "-f", str(script), entry.dsn(DB)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    out: dict[str, str] = {}
-    reader = threading.Thread(target=lambda: out.update(zip(("stdout", "stderr"),
-                                                            proc.communicate(), strict=True)))
-    reader.start()
-    time.sleep(1.0)
-    t1 = time.monotonic()
-    cpu1 = {name: server_cpu(s) for name, s in servers.items()}
-    st1 = {name: stmt_stats(s) for name, s in servers.items()}
-    time.sleep(max(seconds - 2.5, 1.0))
-    cpu2 = {name: server_cpu(s) for name, s in servers.items()}
-    st2 = {name: stmt_stats(s) for name, s in servers.items()}
-    t2 = time.monotonic()
-    reader.join()
-    match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)",
-                      out.get("stdout", ""))
-    if proc.returncode != 0 or not match:
-        raise SystemExit(f"pgbench failed:\n{out.get('stdout')}\n{out.get('stderr')}")
+def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharness.PgServer],
+                  counter: pgharness.PgServer, script: Path, seconds: int, clients: int,
+                  ticks: int) -> dict:
+    """One pgbench process per entry server (clients shared among them), run together;
+    snapshots of the CPU and statement counters of every server in servers 1 s after the start
+    and about 1.5 s before the end. The claim + complete pairs in that window are the keys
+    created in it (claim's created_at), counted through counter."""
+    procs = [subprocess.Popen(
+        [str(entry.bindir / "pgbench"), "-n", "-M", "prepared",
+         "-c", str(clients // len(entries)), "-j", str(max(2 // len(entries), 1)),
+         "-T", str(seconds), "-f", str(script), entry.dsn(DB)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for entry in entries]
+    outs: list[dict[str, str]] = [{} for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, o=o: o.update(
+        zip(("stdout", "stderr"), p.communicate(), strict=True)))
+        for p, o in zip(procs, outs, strict=True)]
+    for reader in readers:
+        reader.start()
+    with psycopg.connect(counter.dsn(DB), autocommit=True) as conn:
+        time.sleep(1.0)
+        t1 = time.monotonic()
+        c1 = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        cpu1 = {name: server_cpu(s) for name, s in servers.items()}
+        st1 = {name: stmt_stats(s) for name, s in servers.items()}
+        time.sleep(max(seconds - 2.5, 1.0))
+        cpu2 = {name: server_cpu(s) for name, s in servers.items()}
+        st2 = {name: stmt_stats(s) for name, s in servers.items()}
+        c2 = conn.execute("SELECT clock_timestamp()").fetchone()[0]
+        t2 = time.monotonic()
+        for reader in readers:
+            reader.join()
+        pairs = conn.execute("SELECT count(*) FROM idempotency.keys "
+                             "WHERE created_at >= %s AND created_at < %s", (c1, c2)).fetchone()[0]
+    tps = 0.0
+    for proc, out in zip(procs, outs, strict=True):
+        match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)",
+                          out.get("stdout", ""))
+        if proc.returncode != 0 or not match:
+            raise SystemExit(f"pgbench failed:\n{out.get('stdout')}\n{out.get('stderr')}")
+        tps += float(match.group(1))
     window = {}
     for name in servers:
         claims = st2[name][0] - st1[name][0]
@@ -416,10 +442,15 @@ def pgbench_round(entry: pgharness.PgServer, servers: dict[str, pgharness.PgServ
             "claim_exec_us": (st2[name][2] - st1[name][2]) * 1000 / max(claims, 1),
             "complete_exec_us": (st2[name][3] - st1[name][3]) * 1000 / max(completes, 1),
         }
-    return {"tps": float(match.group(1)), "window_s": t2 - t1, "servers": window}
+    return {"tps": tps, "window_s": t2 - t1, "pairs": pairs, "servers": window}
+
+
+SIDES = ("single", "cluster", "workers")
 
 
 def measure_throughput(cluster: Cluster, single: pgharness.PgServer, args) -> list[dict]:
+    """Interleaved rounds of three sides: one server; the cluster through the coordinator;
+    the cluster with the clients split over the workers (Citus routes from any node)."""
     ticks = clock_ticks()
     # track = top for the throughput: the delegated calls are top-level statements on the
     # workers, and nested tracking would only add cost on every side.
@@ -427,22 +458,24 @@ def measure_throughput(cluster: Cluster, single: pgharness.PgServer, args) -> li
         with psycopg.connect(node.dsn(DB), autocommit=True) as conn:
             conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'top'")
             conn.execute("SELECT pg_reload_conf()")
-    sides = {"single": (single, {"single": single}),
-             "cluster": (cluster.coordinator, {n.name: n for n in cluster.nodes})}
+    nodes = {n.name: n for n in cluster.nodes}
+    sides = {"single": ([single], {"single": single}, single),
+             "cluster": ([cluster.coordinator], nodes, cluster.coordinator),
+             "workers": (cluster.workers, nodes, cluster.coordinator)}
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "claim_complete.pgbench"
         script.write_text(PGBENCH_SCRIPT)
-        for entry, servers in sides.values():  # warm up both sides
-            pgbench_round(entry, servers, script, 3, args.clients, ticks)
+        for entries, servers, counter in sides.values():  # warm up every side
+            pgbench_round(entries, servers, counter, script, 3, args.clients, ticks)
         for i in range(1, args.rounds + 1):
-            result = {side: pgbench_round(entry, servers, script, args.seconds, args.clients,
-                                          ticks)
-                      for side, (entry, servers) in sides.items()}
+            result = {side: pgbench_round(entries, servers, counter, script, args.seconds,
+                                          args.clients, ticks)
+                      for side, (entries, servers, counter) in sides.items()}
             rounds.append(result)
-            s, c = result["single"], result["cluster"]
-            print(f"  round {i}: single {s['tps']:6.0f} tps   cluster {c['tps']:6.0f} tps   "
-                  f"ratio {c['tps'] / s['tps']:.2f}", flush=True)
+            s, c, w = (result[side]["tps"] for side in SIDES)
+            print(f"  round {i}: single {s:6.0f} tps   via coordinator {c:6.0f} tps "
+                  f"({c / s:.2f})   via workers {w:6.0f} tps ({w / s:.2f})", flush=True)
     return rounds
 
 
@@ -468,7 +501,8 @@ def profile_worker(cluster: Cluster, seconds: int, clients: int, top: int = 12) 
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "claim_complete.pgbench"
         script.write_text(PGBENCH_SCRIPT)
-        pgbench_round(cluster.coordinator, {}, script, seconds, clients, 100)
+        pgbench_round([cluster.coordinator], {}, cluster.coordinator, script, seconds, clients,
+                      100)
     with psycopg.connect(worker.dsn(DB), autocommit=True) as conn:
         rows = conn.execute(PROFILE, (top,)).fetchall()
         total = conn.execute("SELECT sum(total_exec_time) FILTER (WHERE toplevel) "
@@ -477,65 +511,66 @@ def profile_worker(cluster: Cluster, seconds: int, clients: int, top: int = 12) 
 
 
 def per_pair(rounds: list[dict], side: str, names: list[str]) -> list[float]:
-    """Per round: CPU µs of the named servers per claim + complete (claims counted on the
-    entry server of the side)."""
-    out = []
-    for r in rounds:
-        servers = r[side]["servers"]
-        entry = "single" if side == "single" else "coord"
-        pairs = max(servers[entry]["claims"], 1)
-        out.append(sum(servers[n]["cpu_us"] for n in names) / pairs)
-    return out
+    """Per round: CPU µs of the named servers per claim + complete (the keys created in the
+    window)."""
+    return [sum(r[side]["servers"][n]["cpu_us"] for n in names) / max(r[side]["pairs"], 1)
+            for r in rounds]
 
 
 def summarise(rounds: list[dict], cluster: Cluster, args, about: str) -> dict:
-    ratios = [r["cluster"]["tps"] / r["single"]["tps"] for r in rounds]
     workers = [w.name for w in cluster.workers]
     med = statistics.median
-    worker_exec = {
-        call: med(sum(r["cluster"]["servers"][w][f"{call}_exec_us"]
-                      * r["cluster"]["servers"][w][f"{call}s"] for w in workers)
-                  / max(sum(r["cluster"]["servers"][w][f"{call}s"] for w in workers), 1)
-                  for r in rounds)
-        for call in ("claim", "complete")}
-    single_exec = {call: med(r["single"]["servers"]["single"][f"{call}_exec_us"]
-                             for r in rounds) for call in ("claim", "complete")}
-    summary = {
+
+    def exec_us(side: str, names: list[str], call: str) -> float:
+        """Mean execution time of call over the named servers, median of the rounds."""
+        return med(sum(r[side]["servers"][n][f"{call}_exec_us"] * r[side]["servers"][n][f"{call}s"]
+                       for n in names)
+                   / max(sum(r[side]["servers"][n][f"{call}s"] for n in names), 1)
+                   for r in rounds)
+
+    ratios = {side: [r[side]["tps"] / r["single"]["tps"] for r in rounds]
+              for side in SIDES[1:]}
+    return {
         "about": about, "rounds": args.rounds, "seconds": args.seconds,
         "clients": args.clients,
-        "single_tps": med(r["single"]["tps"] for r in rounds),
-        "cluster_tps": med(r["cluster"]["tps"] for r in rounds),
-        "ratios": ratios, "ratio": med(ratios),
+        "tps": {side: med(r[side]["tps"] for r in rounds) for side in SIDES},
+        "tps_rounds": {side: [r[side]["tps"] for r in rounds] for side in SIDES},
+        "ratios": ratios, "ratio": {side: med(x) for side, x in ratios.items()},
         "cpu_us_per_pair": {
-            "single server": med(per_pair(rounds, "single", ["single"])),
-            "coordinator": med(per_pair(rounds, "cluster", ["coord"])),
-            "workers (sum)": med(per_pair(rounds, "cluster", workers)),
+            "single server": per_pair(rounds, "single", ["single"]),
+            "coordinator": per_pair(rounds, "cluster", ["coord"]),
+            "workers (sum)": per_pair(rounds, "cluster", workers),
+            "workers, clients on them": per_pair(rounds, "workers", workers),
+            "coordinator, clients on workers": per_pair(rounds, "workers", ["coord"]),
         },
-        "exec_us": {"worker": worker_exec, "single": single_exec,
-                    "coordinator": {call: med(r["cluster"]["servers"]["coord"][f"{call}_exec_us"]
-                                              for r in rounds)
-                                    for call in ("claim", "complete")}},
+        "exec_us": {"single": {c: exec_us("single", ["single"], c) for c in ("claim", "complete")},
+                    "worker": {c: exec_us("cluster", workers, c) for c in ("claim", "complete")},
+                    "coordinator": {c: exec_us("cluster", ["coord"], c)
+                                    for c in ("claim", "complete")}},
         "worker_share": [
             {w: r["cluster"]["servers"][w]["claims"] for w in workers} for r in rounds],
     }
-    return summary
 
 
 def print_summary(s: dict) -> None:
     print(f"\n2. claim + complete, {s['clients']} clients, pgbench -M prepared, "
           f"{s['rounds']} interleaved rounds of {s['seconds']} s ({s['about']}):")
-    print(f"  single server {s['single_tps']:.0f} tps, through the coordinator "
-          f"{s['cluster_tps']:.0f} tps (medians)")
-    print("  cluster / single per round: " + ", ".join(f"{x:.2f}" for x in s["ratios"])
-          + f"; median {s['ratio']:.2f}")
+    t = s["tps"]
+    print(f"  one server {t['single']:.0f} tps, through the coordinator {t['cluster']:.0f} tps, "
+          f"clients split over the workers {t['workers']:.0f} tps (medians)")
+    for side, label in (("cluster", "through the coordinator"), ("workers", "via the workers")):
+        print(f"  {label} / one server per round: "
+              + ", ".join(f"{x:.2f}" for x in s["ratios"][side])
+              + f"; median {s['ratio'][side]:.2f}")
     print("  every server and pgbench share this machine's cores: latency through three "
           "servers on one box says nothing about scale-out throughput.")
-    print("\n3. server time per claim + complete (medians of the rounds):")
-    for name, us in s["cpu_us_per_pair"].items():
-        print(f"  CPU of {name:<14s} {us:7.0f} µs per pair  "
-              f"({1e6 / us:6.0f} pairs/s per core)")
+    print("\n3. CPU per claim + complete (keys created in the window), median and rounds:")
+    for name, values in s["cpu_us_per_pair"].items():
+        us = statistics.median(values)
+        print(f"  {name:<32s} {us:6.0f} µs ({1e6 / us:5.0f} pairs/s per core)  rounds "
+              + ", ".join(f"{v:.0f}" for v in values))
     e = s["exec_us"]
-    print("  pg_stat_statements mean execution time (µs per call):")
+    print("  pg_stat_statements mean execution time (µs per call), through the coordinator:")
     for where in ("single", "worker", "coordinator"):
         print(f"    {where:<12s} claim {e[where]['claim']:6.0f}   complete "
               f"{e[where]['complete']:6.0f}")
