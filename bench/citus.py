@@ -5,25 +5,25 @@ Four measurements, printed as tables; this is a benchmark, not a test (tests/tes
 holds the guarantees), so it asserts nothing about the figures:
 
 1. Hops. Each per-key call (claim, heartbeat, checkpoint, accept, complete, release, takeover),
-   sent through the coordinator exactly as the Python package sends it (pg_idempotency.queries,
-   psycopg, bound parameters), once in autocommit and once inside a transaction block after an
-   INSERT into a business table co-located with idempotency.keys. For each call: the commands
-   the coordinator sent to other nodes (``citus.log_remote_commands`` + ``client_min_messages
-   = log`` on the calling session: one "issuing ..." notice per command, naming the node), and
-   where the function body ran (``pg_stat_statements`` with ``track = all`` on every node,
-   reset before the call: the body's own statements show up as nested statements on the node
-   that executed it). Target: every command to the one worker that holds the scope's shard,
-   and no statement of the body on the coordinator.
+   sent exactly as the Python package sends it (pg_idempotency.queries, psycopg, bound
+   parameters): through the coordinator in autocommit, and inside a transaction block after an
+   INSERT into a business table co-located with idempotency.keys; then from a client on worker
+   w1, for a scope whose shard is on w1 and for one on w2. For each call: the commands sent to
+   other nodes (``citus.log_remote_commands`` + ``client_min_messages = log`` on the calling
+   session: one "issuing ..." notice per command, naming the node), and where the function
+   body ran (``pg_stat_statements`` with ``track = all`` on every node, reset before the call:
+   the body's own statements show up as nested statements on the node that executed it).
+   Target: every command to the one worker that holds the scope's shard, and no statement of
+   the body on the coordinator.
 2. Throughput. claim + complete (pgbench -M prepared, the package's SQL shape: named notation,
    ``SELECT ... FROM idempotency.claim(...)``), one new key per transaction over 1,000 scopes,
-   through the coordinator and on a single server with the same migrations and no
-   distribute(), interleaved round by round (single, cluster, single, cluster ...). Reported:
-   the per-round ratio cluster / single and its median.
+   on a single server with the same migrations and no distribute(), through the coordinator,
+   and with the clients split over the workers (Citus routes from any node), interleaved round
+   by round. Reported: the per-round ratios to the single server and their medians.
 3. Server time per call. In every round, between two snapshots taken while pgbench runs: the
-   CPU time (utime + stime from /proc) of every process of each server, divided by the calls
-   counted by pg_stat_statements over the same window, and pg_stat_statements' own mean
-   execution time of the delegated calls on the workers. docs/scale-out.md builds its capacity
-   model from these.
+   CPU time (utime + stime from /proc) of every process of each server, divided by the keys
+   created in the window (one per claim + complete), and pg_stat_statements' mean execution
+   time of the calls on each server. docs/scale-out.md builds its capacity model from these.
 4. Where a worker's time goes: one more run with ``track = all`` and ``track_planning = on`` on
    the first worker, its busiest statements, top-level (the delegated calls) and nested.
 
@@ -567,7 +567,8 @@ def print_summary(s: dict) -> None:
     print("\n3. CPU per claim + complete (keys created in the window), median and rounds:")
     for name, values in s["cpu_us_per_pair"].items():
         us = statistics.median(values)
-        print(f"  {name:<32s} {us:6.0f} µs ({1e6 / us:5.0f} pairs/s per core)  rounds "
+        per_core = f"{1e6 / us:5.0f}" if us else "    -"
+        print(f"  {name:<32s} {us:6.0f} µs ({per_core} pairs/s per core)  rounds "
               + ", ".join(f"{v:.0f}" for v in values))
     e = s["exec_us"]
     print("  pg_stat_statements mean execution time (µs per call), through the coordinator:")
