@@ -103,8 +103,9 @@ SELECT extract(epoch FROM r)::text AS completed_at FROM idempotency.complete(
 
 @dataclass
 class Cluster:
-    """A coordinator and its workers, with database DB created on each (the shape of
-    tests/citus_cluster.py's cluster, so that it can replace start_cluster())."""
+    """A coordinator and its workers (each a PgServer with a name), database DB created on
+    each: what the rest of this script uses, so that tests/citus_cluster.py's cluster can
+    replace start_cluster()."""
 
     coordinator: pgharness.PgServer
     workers: list[pgharness.PgServer]
@@ -281,7 +282,8 @@ def measure_hops(cluster: Cluster) -> list[Hops]:
     results: list[Hops] = []
     coordinator, w1 = cluster.coordinator, cluster.workers[0]
     with psycopg.connect(coordinator.dsn(DB), autocommit=True) as conn:
-        on_w1, on_w2 = scope_on(conn, cluster, "w1"), scope_on(conn, cluster, "w2")
+        on_w1 = scope_on(conn, cluster, w1.name)
+        on_w2 = scope_on(conn, cluster, cluster.workers[1].name)
     # (mode, the server the client connects to, scope); "transaction" wraps the call in
     # BEGIN; a co-located business insert; the call; COMMIT
     runs = [("autocommit", coordinator, on_w1), ("transaction", coordinator, on_w2),
@@ -519,6 +521,7 @@ def per_pair(rounds: list[dict], side: str, names: list[str]) -> list[float]:
 
 def summarise(rounds: list[dict], cluster: Cluster, args, about: str) -> dict:
     workers = [w.name for w in cluster.workers]
+    coord = [cluster.coordinator.name]
     med = statistics.median
 
     def exec_us(side: str, names: list[str], call: str) -> float:
@@ -538,14 +541,14 @@ def summarise(rounds: list[dict], cluster: Cluster, args, about: str) -> dict:
         "ratios": ratios, "ratio": {side: med(x) for side, x in ratios.items()},
         "cpu_us_per_pair": {
             "single server": per_pair(rounds, "single", ["single"]),
-            "coordinator": per_pair(rounds, "cluster", ["coord"]),
+            "coordinator": per_pair(rounds, "cluster", coord),
             "workers (sum)": per_pair(rounds, "cluster", workers),
             "workers, clients on them": per_pair(rounds, "workers", workers),
-            "coordinator, clients on workers": per_pair(rounds, "workers", ["coord"]),
+            "coordinator, clients on workers": per_pair(rounds, "workers", coord),
         },
         "exec_us": {"single": {c: exec_us("single", ["single"], c) for c in ("claim", "complete")},
                     "worker": {c: exec_us("cluster", workers, c) for c in ("claim", "complete")},
-                    "coordinator": {c: exec_us("cluster", ["coord"], c)
+                    "coordinator": {c: exec_us("cluster", coord, c)
                                     for c in ("claim", "complete")}},
         "worker_share": [
             {w: r["cluster"]["servers"][w]["claims"] for w in workers} for r in rounds],
