@@ -10,7 +10,9 @@
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
-#                bench/retention.py); results in docs/benchmarks.md
+#                bench/retention.py, bench/citus.py); results in docs/benchmarks.md.
+#                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
+#                (it prints the commands when it is missing)
 #   make clean   remove .venv, build/ and caches
 
 SHELL := /bin/bash
@@ -149,6 +151,7 @@ bench: setup
 	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
 	$(AS_TEST_USER) $(PY) bench/http.py
 	$(AS_TEST_USER) $(PY) bench/retention.py
+	$(AS_TEST_USER) $(PY) bench/citus.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log
