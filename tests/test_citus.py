@@ -176,6 +176,17 @@ def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(db)))
 
 
+def test_distribute_on_a_worker_says_so(citus: Cluster) -> None:
+    """A worker holds the functions too (distribute() creates them on every node), but only
+    the coordinator may distribute: IK022 there, and the worker's metadata is unchanged."""
+    for dsn in citus.worker_dsns():
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            before = conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone()
+        assert _sqlstate(dsn, "SELECT idempotency.distribute()") == "IK022"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone() == before
+
+
 # -- uniqueness ------------------------------------------------------------------------------
 
 MODES = ["delegated", "subquery", "transaction", "worker"]
