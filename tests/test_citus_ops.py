@@ -1,0 +1,219 @@
+"""Issue 23's operator functions on a real Citus cluster (tests/citus_cluster.py: a coordinator
+and two workers), installed as docs/scale-out.md says: the migrations on the coordinator, then
+``SELECT idempotency.distribute()``.
+
+Checked through the coordinator, with keys spread over the shards of both workers:
+- distribute() creates the new functions on every node and leaves grants and maintenance_runs
+  on the coordinator;
+- metrics() and metrics_by_scope() give the exact counts of keys in each state, and estimates
+  read from the shards' statistics (the coordinator's own partitions are empty);
+- maintain() works, is recorded in maintenance_runs, and metrics() follows its drops;
+- inspect_key() and force_release() find a key in its shard, and a monitor role reads metrics.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterator
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import psycopg
+import pytest
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
+from psycopg.rows import dict_row
+
+from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
+
+SCOPES = [f"tenant_{i}" for i in range(6)]
+HOURS_AGO = 2
+NEW_FUNCTIONS = ("_maintain(timestamp with time zone)", "_reapply_grants()",
+                 "force_release(text,text)", "inspect_key(text,text,boolean)",
+                 "list_keys(text,text,interval,boolean,integer)",
+                 "maintain(timestamp with time zone)",
+                 "metrics(timestamp with time zone,boolean)",
+                 "metrics_by_scope(timestamp with time zone)")
+
+
+@pytest.fixture
+def cluster_db(citus_cluster: Any, citus_db: str) -> Iterator[str]:
+    """citus_db with the migrations applied on the coordinator and distributed (4 shards)."""
+    for migration in sorted(MIGRATIONS.glob("*.sql")):
+        citus_cluster.coordinator.run_psql(citus_db, migration, args=MIGRATION_PSQL_ARGS)
+    yield citus_db
+
+
+def metrics(conn: psycopg.Connection[Any], reference_time: str | None = None) -> dict[str, Any]:
+    with conn.cursor(row_factory=dict_row) as cur:
+        if reference_time is None:
+            return cur.execute("SELECT * FROM idempotency.metrics()").fetchone()
+        return cur.execute(f"SELECT * FROM idempotency.metrics({reference_time})").fetchone()
+
+
+def wait_for(conn: psycopg.Connection[Any], column: str, value: int,
+              reference_time: str | None = None) -> dict[str, Any]:
+    """metrics() once ``column`` reads ``value``: the workers' statistics trail the commits by
+    up to a second or so."""
+    deadline = time.monotonic() + 15
+    m = metrics(conn, reference_time)
+    while m[column] != value and time.monotonic() < deadline:
+        time.sleep(0.3)
+        m = metrics(conn, reference_time)
+    return m
+
+
+def make_keys(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """Per scope: two completed keys, one in progress (live lease), one released; in the first
+    scope also one in progress whose lease expired HOURS_AGO hours ago less a minute."""
+    def claim(scope: str, key: str, **kw: Any) -> int:
+        extra = "".join(f", {k} => %({k})s" for k in kw)
+        return conn.execute(
+            "SELECT lease_token FROM idempotency.claim(%(scope)s, %(key)s, '{}'::jsonb"
+            f"{extra})", {"scope": scope, "key": key, **kw}).fetchone()[0]
+
+    for scope in SCOPES:
+        for key in ("done1", "done2"):
+            conn.execute("SELECT idempotency.complete(%s, %s, %s, 201, '{}')",
+                         (scope, key, claim(scope, key)))
+        claim(scope, "live", lease=timedelta(hours=1))
+        conn.execute("SELECT idempotency.release(%s, 'gone', %s)",
+                     (scope, claim(scope, "gone")))
+    past = datetime.now(timezone.utc) - timedelta(hours=HOURS_AGO)
+    claim(SCOPES[0], "dead", lease=timedelta(minutes=1), reference_time=past)
+    return {"in_progress": len(SCOPES) + 1, "released": len(SCOPES),
+            "completed": 2 * len(SCOPES), "total": 4 * len(SCOPES) + 1}
+
+
+def test_distribute_places_the_new_tables_and_functions(citus_cluster: Any,
+                                                        cluster_db: str) -> None:
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        done = dict(conn.execute("SELECT object, action FROM idempotency.distribute(4)"
+                                 ).fetchall())
+        # Citus propagates most functions by itself when the migration creates them (the
+        # workers are registered by then); distribute() creates the rest on every node. Either
+        # way each one is a distributed object afterwards, none of them delegated.
+        for fn in NEW_FUNCTIONS:
+            assert done.get(f"idempotency.{fn}") in (None, "created on every node"), (fn, done)
+        assert conn.execute(
+            "SELECT p.oid::regprocedure::text FROM pg_proc AS p"
+            " JOIN pg_dist_object AS o ON o.classid = 'pg_proc'::regclass AND o.objid = p.oid"
+            " WHERE o.distribution_argument_index IS NULL AND p.oid = ANY (%s::regprocedure[])"
+            " ORDER BY 1", ([f"idempotency.{fn}" for fn in NEW_FUNCTIONS],)
+        ).fetchall() == [(f"idempotency.{fn}",) for fn in sorted(NEW_FUNCTIONS)]
+        # grants and maintenance_runs stay the coordinator's own (see distribute.sql).
+        assert conn.execute(
+            "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid IN"
+            " ('idempotency.grants'::regclass, 'idempotency.maintenance_runs'::regclass)"
+        ).fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM idempotency.distribute()").fetchone() == (0,)
+        # The shards of keys are on both workers.
+        assert conn.execute(
+            "SELECT count(DISTINCT nodeport) FROM citus_shards"
+            " WHERE table_name = 'idempotency.keys'::regclass").fetchone() == (2,)
+    dbname = conninfo_to_dict(cluster_db)["dbname"]
+    for worker in citus_cluster.workers:
+        with psycopg.connect(worker.dsn(dbname), autocommit=True) as wconn:
+            present = [fn for fn in NEW_FUNCTIONS if wconn.execute(
+                "SELECT to_regprocedure(%s) IS NOT NULL", (f"idempotency.{fn}",)).fetchone()[0]]
+            assert present == list(NEW_FUNCTIONS), worker.name
+
+
+def test_metrics_and_maintain_through_the_coordinator(citus_cluster: Any,
+                                                      cluster_db: str) -> None:
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        # Before any key: zeros, not NULLs or errors, from every shard.
+        empty = metrics(conn)
+        assert (empty["keys_in_progress"], empty["keys_released"],
+                empty["keys_total_estimate"]) == (0, 0, 0)
+        assert empty["partitions_ahead"] == empty["premake"] == 3
+        assert empty["total_bytes"] > 0  # the shards' indexes, on the workers
+        expected = make_keys(conn)
+        # The scopes land on more than one worker, so every count sums over nodes.
+        nodes = conn.execute(
+            "SELECT count(DISTINCT s.nodeport) FROM unnest(%s::text[]) AS t (scope)"
+            " JOIN citus_shards AS s ON s.table_name = 'idempotency.keys'::regclass"
+            " AND s.shardid = get_shard_id_for_distribution_column('idempotency.keys', t.scope)",
+            (SCOPES,)).fetchone()[0]
+        assert nodes == 2
+
+        m = wait_for(conn, "keys_total_estimate", expected["total"])
+        assert m["keys_in_progress"] == expected["in_progress"]
+        assert m["keys_expired_leases"] == 1
+        assert m["keys_released"] == expected["released"]
+        assert m["oldest_in_progress_age_seconds"] == pytest.approx(HOURS_AGO * 3600, abs=120)
+        assert m["keys_total_estimate"] == expected["total"]
+        assert m["keys_completed_estimate"] == expected["completed"]
+        # The default partition's estimate is its shards' too (the "dead" key lands there when
+        # HOURS_AGO reaches back before today's partition).
+        in_default = conn.execute("SELECT count(*) FROM idempotency.keys_default").fetchone()[0]
+        assert wait_for(conn, "keys_default_estimate", in_default)["keys_default_estimate"] \
+            == in_default
+        assert m["total_bytes"] > empty["total_bytes"]
+        by_scope = conn.execute("SELECT * FROM idempotency.metrics_by_scope()").fetchall()
+        assert [(s, n, e, r) for s, n, e, _, r in by_scope] == [
+            (scope, 2 if scope == SCOPES[0] else 1, 1 if scope == SCOPES[0] else 0, 1)
+            for scope in SCOPES]
+
+        # maintain() through the coordinator, recorded there.
+        actions = conn.execute("SELECT action FROM idempotency.maintain()").fetchall()
+        m = metrics(conn)
+        assert m["maintain_last_outcome"] == "ok"
+        assert m["maintain_last_created"] == actions.count(("created",))
+        assert conn.execute("SELECT count(*) FROM idempotency.maintenance_runs").fetchone() == (1,)
+
+        # Three days on, the partition of today's keys goes with its directory rows; the
+        # metrics follow (the owner may move the clock).
+        later = "now() + interval '3 days'"
+        actions = conn.execute(
+            f"SELECT action, parent_table FROM idempotency.maintain({later})").fetchall()
+        dropped = [a for a in actions if a == ("dropped", "keys")]
+        assert dropped, actions
+        m = wait_for(conn, "keys_total_estimate", 0, later)
+        assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) == (0, 0, 0)
+        assert m["maintain_last_outcome"] == "ok"
+        assert m["maintain_last_dropped"] == sum(1 for a, _ in actions if a == "dropped")
+        assert conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone() == (0,)
+        assert conn.execute("SELECT outcome FROM idempotency.maintenance_runs ORDER BY id"
+                            ).fetchall() == [("ok",), ("ok",)]
+
+
+def test_keys_and_a_monitor_role_through_the_coordinator(citus_cluster: Any,
+                                                         cluster_db: str) -> None:
+    scope = SCOPES[3]
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        token = conn.execute("SELECT lease_token FROM idempotency.claim(%s, 'stuck', '{}',"
+                             " lease => '1 hour')", (scope,)).fetchone()[0]
+        shown = conn.execute("SELECT state, lease_expired, partition_name FROM"
+                             " idempotency.inspect_key(%s, 'stuck')", (scope,)).fetchone()
+        assert shown[:2] == ("in_progress", False) and shown[2].startswith("idempotency.keys_")
+        conn.execute("SELECT idempotency.force_release(%s, 'stuck')", (scope,))
+        assert conn.execute("SELECT state FROM idempotency.inspect_key(%s, 'stuck')",
+                            (scope,)).fetchone() == ("released",)
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT idempotency.heartbeat(%s, 'stuck', %s)", (scope, token))
+        assert info.value.sqlstate == "IK001"
+        outcome, new_token = conn.execute(
+            "SELECT outcome, lease_token FROM idempotency.claim(%s, 'stuck', '{}')",
+            (scope,)).fetchone()
+        assert outcome == "claimed" and new_token > token
+
+        role = f"monitor_{uuid.uuid4().hex[:8]}"
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'monitor')", (role,))
+    try:
+        with psycopg.connect(cluster_db, user=role, autocommit=True) as mon:
+            m = wait_for(mon, "keys_total_estimate", 1)
+            assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) \
+                == (1, 0, 1)
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                mon.execute("SELECT * FROM idempotency.inspect_key(%s, 'stuck')", (scope,))
+            with pytest.raises(psycopg.errors.InsufficientPrivilege):
+                mon.execute("SELECT idempotency.force_release(%s, 'stuck')", (scope,))
+    finally:
+        with psycopg.connect(cluster_db, autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
