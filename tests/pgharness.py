@@ -96,6 +96,14 @@ def sweep() -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
+def free_port() -> int:
+    """A loopback TCP port free right now (for a process the test starts itself: a standby,
+    an exporter); it can be taken before that process binds it, which then fails loudly."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def _alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -301,9 +309,7 @@ class PgBouncer:
         self.tmpdir = Path(tempfile.mkdtemp(prefix="pgbouncer-", dir=_process_dir()))
         atexit.register(self.stop)
         (self.tmpdir / "users.txt").write_text("".join(f'"{u}" ""\n' for u in self.users))
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
+        self.port = free_port()
         conf = {
             "listen_addr": "127.0.0.1", "listen_port": self.port, "unix_socket_dir": "",
             "auth_type": "trust", "auth_file": self.tmpdir / "users.txt",

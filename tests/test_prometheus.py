@@ -25,7 +25,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from pgharness import PgServer, _free_port
+from pgharness import PgServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"
@@ -155,7 +155,7 @@ def need(path: str) -> None:
 @contextlib.contextmanager
 def exporter(dsn: str, tmp: Path) -> Iterator[str]:
     need(EXPORTER)
-    port = _free_port()
+    port = free_port()
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "DATA_SOURCE_NAME": dsn}
     log = (tmp / "exporter.log").open("w")
     proc = subprocess.Popen(

@@ -6,6 +6,8 @@ standby is promoted and must hold every completion whose COMMIT was acknowledged
 
 from __future__ import annotations
 
+import os
+import subprocess
 import threading
 import time
 import uuid
@@ -15,7 +17,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from pgharness import PgServer, _free_port, flavour_bindir
+from pgharness import PgServer, flavour_bindir, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 SESSIONS = 4
@@ -23,28 +25,45 @@ LOAD_SECONDS = 1.5
 SCOPE = "failover"
 
 
+def _run(*command: str) -> None:
+    """A server tool, as the test user (the one the primary runs as), without PG* variables."""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PG")}, "LC_MESSAGES": "C"}
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, f"{command[0]} failed:\n{done.stdout}{done.stderr}"
+
+
 class Standby:
-    """A standby of ``primary`` in the primary's private dir, run as the server user."""
+    """A standby of ``primary`` in the primary's private dir."""
 
     def __init__(self, primary: PgServer) -> None:
         assert primary.tmpdir is not None
         self.primary = primary
         self.datadir = primary.tmpdir / "standby"
-        self.port = _free_port()
+        self.port = free_port()
         self.log = primary.tmpdir / "standby.log"
 
     def start(self) -> None:
         p = self.primary
-        p._server_cmd([str(p.bindir / "pg_basebackup"), "-D", str(self.datadir), "-R",
-                       "-X", "stream", "-c", "fast", "-h", "127.0.0.1", "-p", str(p.port),
-                       "-U", "postgres"])
+        _run(str(p.bindir / "pg_basebackup"), "-D", str(self.datadir), "-R",
+             "-X", "stream", "-c", "fast", "-h", "127.0.0.1", "-p", str(p.port), "-U", "postgres")
+        # The harness gives the primary its settings on the command line, which a base backup
+        # does not copy; a standby needs max_connections and the like at least as high.
+        with psycopg.connect(p.dsn("postgres"), autocommit=True) as conn:
+            settings = conn.execute("SELECT name, setting FROM pg_settings"
+                                    " WHERE source = 'command line' AND name <> 'port'"
+                                    ).fetchall()
         with (self.datadir / "postgresql.auto.conf").open("a") as conf:
+            for name, value in settings:
+                conf.write(f"{name} = '{value}'\n")
             conf.write(f"port = {self.port}\ncluster_name = 'standby1'\n")
-        self._pg_ctl("-l", str(self.log), "-w", "-t", "60", "start")
+        try:
+            self._pg_ctl("-l", str(self.log), "-w", "-t", "60", "start")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.log.read_text(errors='replace')[-3000:]}"
+                                 ) from None
 
     def _pg_ctl(self, *args: str) -> None:
-        self.primary._server_cmd([str(self.primary.bindir / "pg_ctl"), "-D",
-                                  str(self.datadir), *args])
+        _run(str(self.primary.bindir / "pg_ctl"), "-D", str(self.datadir), *args)
 
     def promote(self) -> None:
         self._pg_ctl("-w", "-t", "60", "promote")
@@ -111,7 +130,7 @@ def test_every_acknowledged_completion_survives_a_failover_to_a_synchronous_stan
             for t in threads:
                 t.start()
             time.sleep(LOAD_SECONDS)
-            primary.crash()  # pg_ctl stop -m immediate, while the sessions are committing
+            primary.crash()  # SIGQUIT, as pg_ctl stop -m immediate, while sessions commit
             stop.set()
             for t in threads:
                 t.join(30)
