@@ -262,9 +262,11 @@ def test_tokens_grow_with_every_owner_and_stale_owners_are_refused(citus: Cluste
     release and a new claim: each owner's token is greater than every earlier one, and every
     earlier owner's fenced call is refused with IK001."""
     scope, key = _scope(), "pay-1"
+    tokens = [_claim(citus.dsn, scope, key, lease="1 second")[1]]
+    # The test clock starts after the first claim has returned, so that its 1-second lease has
+    # expired at ref(2) however long the claim took on a loaded machine.
     t0 = time.time()
     ref = lambda s: f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0 + s))}+00"  # noqa: E731
-    tokens = [_claim(citus.dsn, scope, key, lease="1 second")[1]]
     takeover_dsns = [citus.dsn, citus.dsn, *citus.worker_dsns()]
     for i, dsn in enumerate(takeover_dsns, start=1):
         with psycopg.connect(dsn, autocommit=True) as conn:
