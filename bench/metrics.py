@@ -51,8 +51,9 @@ QUERIES = {
     "metrics()": "SELECT * FROM idempotency.metrics()",
     "metrics(scan => false)": "SELECT * FROM idempotency.metrics(scan => false)",
     "metrics_by_scope()": "SELECT count(*) FROM idempotency.metrics_by_scope()",
-    "the pass over keys in progress alone":
-        "SELECT count(*), min(created_at) FROM idempotency.keys WHERE state = 'in_progress'",
+    "the pass over keys in progress or released alone":
+        "SELECT count(*), min(created_at) FROM idempotency.keys"
+        " WHERE state IN ('in_progress', 'released')",
     "catalog gauges alone (n_live_tup, sizes)":
         "SELECT sum(pg_stat_get_live_tuples(i.inhrelid)), sum(pg_total_relation_size(i.inhrelid))"
         " FROM pg_inherits AS i WHERE i.inhparent = 'idempotency.keys'::regclass",

@@ -58,11 +58,9 @@ ALLOWED: dict[tuple[str, str], str] = {
         "a Citus function (tests/test_citus.py)",
     ("distribute", "truncate_local_data_after_distributing_table(regclass) does not exist"):
         "a Citus function (tests/test_citus.py)",
-    ("metrics", "run_command_on_shards(regclass, unknown) does not exist"):
-        "a Citus function: metrics() reads each shard's statistics after distribute() "
-        "(tests/test_citus_ops.py)",
-    ("metrics", "citus_total_relation_size("):
-        "a Citus function: the size of a distributed table's shards (tests/test_citus_ops.py)",
+    ("metrics", "run_command_on_all_nodes("):
+        "a Citus function: after distribute(), metrics() sums the shards' statistics on every "
+        "node (tests/test_citus_ops.py)",
     ("distribute", 'unused variable "v_fn"'):
         "the loop variable of the FOR over the Citus catalog query above, which the checker "
         "could not compile",

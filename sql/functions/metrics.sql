@@ -13,7 +13,8 @@
 --     collector's live-tuple counts (pg_stat_all_tables.n_live_tup), estimates that lag a
 --     little behind, read per partition without touching a row;
 --   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes);
---   - on Citus (after distribute()), the same statistics and sizes read from the shards.
+--   - on Citus (after distribute()), the same statistics and sizes, summed on each node over
+--     the shards it holds.
 --   - the last maintain() run: the newest row of idempotency.maintenance_runs.
 -- The reference time is clock_timestamp(); only the schema's owner may move it (tests).
 CREATE FUNCTION idempotency.metrics(
@@ -68,42 +69,55 @@ BEGIN
 
     IF idempotency._distributed() THEN
         -- Citus: the rows are in the shards on the workers, and the coordinator's own
-        -- partitions are empty shells, so their statistics say 0. Each shard's statistics are
-        -- read where it lives (run_command_on_shards: one query per shard of each partition,
-        -- in parallel), still without reading a row; sizes from citus_total_relation_size.
-        -- Dynamic SQL: these functions exist only where Citus is installed.
+        -- partitions are empty shells, so their statistics say 0. Each node sums the statistics
+        -- and sizes of the shards it holds, found through its copy of pg_dist_shard (the shard
+        -- of a partition is a table of its own), in one query per node, all nodes at once
+        -- (run_command_on_all_nodes); still no row is read. A query per shard
+        -- (run_command_on_shards) took 0.9-1.1 s at 32 shards and 5 partitions, this 50-70 ms.
+        -- Dynamic SQL: these functions and catalogs exist only where Citus is installed.
         EXECUTE $q$
-            SELECT coalesce(sum(s.live) FILTER (
-                       WHERE s.parent = 'idempotency.keys'::regclass), 0)::bigint,
-                   coalesce(sum(s.live) FILTER (
-                       WHERE s.parent = 'idempotency.tombstones'::regclass), 0)::bigint,
-                   coalesce(sum(s.live) FILTER (
-                       WHERE s.child = 'idempotency.keys_default'::regclass), 0)::bigint
-            FROM (
-                SELECT i.inhparent AS parent, i.inhrelid AS child, r.result::bigint AS live
-                FROM pg_catalog.pg_inherits AS i
-                CROSS JOIN LATERAL pg_catalog.run_command_on_shards(
-                    i.inhrelid::regclass,
-                    'SELECT pg_catalog.pg_stat_get_live_tuples(''%s''::regclass)'
-                ) AS r
-                WHERE i.inhparent IN ('idempotency.keys'::regclass,
-                                      'idempotency.tombstones'::regclass)
-                  AND r.success
-            ) AS s
+            SELECT coalesce(sum(split_part(r.result, ',', 1)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 2)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 3)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 4)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   count(*) FILTER (WHERE NOT r.success)
+            FROM pg_catalog.run_command_on_all_nodes($c$
+                SELECT concat_ws(',',
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.parent = 'idempotency.keys'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.parent = 'idempotency.tombstones'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.rel = 'idempotency.keys_default'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_total_relation_size(s.shard)), 0))
+                FROM (
+                    SELECT d.logicalrelid AS rel,
+                           coalesce(i.inhparent, d.logicalrelid) AS parent,
+                           pg_catalog.to_regclass(
+                               pg_catalog.shard_name(d.logicalrelid, d.shardid)) AS shard
+                    FROM pg_catalog.pg_dist_shard AS d
+                    LEFT JOIN pg_catalog.pg_inherits AS i ON i.inhrelid = d.logicalrelid
+                ) AS s
+                WHERE s.shard IS NOT NULL
+                  AND s.parent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
+                                   'idempotency.tombstones'::regclass,
+                                   'idempotency.key_directory'::regclass)
+            $c$) AS r
         $q$
-        INTO v_out.keys_total_estimate, v_out.tombstones_estimate, v_out.keys_default_estimate;
-        EXECUTE $q$
-            SELECT coalesce(sum(pg_catalog.citus_total_relation_size(i.inhrelid)), 0)::bigint
-            FROM pg_catalog.pg_inherits AS i
-            WHERE i.inhparent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
-                                  'idempotency.tombstones'::regclass)
-        $q$
-        INTO v_out.total_bytes;
-        -- key_directory is not partitioned in 0.9.0: its shards' size as a whole.
-        EXECUTE 'SELECT pg_catalog.citus_total_relation_size($1)::bigint'
-        INTO v_count
-        USING 'idempotency.key_directory'::regclass;
-        v_out.total_bytes := v_out.total_bytes + v_count;
+        INTO v_out.keys_total_estimate, v_out.tombstones_estimate, v_out.keys_default_estimate,
+             v_out.total_bytes, v_count;
+        IF v_count > 0 THEN
+            -- A node that did not answer: its part is missing, so say nothing rather than a
+            -- number too small.
+            v_out.keys_total_estimate := NULL;
+            v_out.tombstones_estimate := NULL;
+            v_out.keys_default_estimate := NULL;
+            v_out.total_bytes := NULL;
+        END IF;
     ELSE
         SELECT coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
                    WHERE i.inhparent = 'idempotency.keys'::regclass), 0)::bigint,
@@ -120,7 +134,7 @@ BEGIN
         v_out.keys_default_estimate :=
             pg_stat_get_live_tuples('idempotency.keys_default'::regclass);
     END IF;
-    IF metrics.scan THEN
+    IF metrics.scan AND v_out.keys_total_estimate IS NOT NULL THEN
         v_out.keys_completed_estimate := greatest(
             v_out.keys_total_estimate - v_out.keys_in_progress - v_out.keys_released, 0);
     END IF;
