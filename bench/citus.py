@@ -104,9 +104,10 @@ def start_cluster() -> CitusCluster:
     except pgharness.HarnessError as exc:
         raise SystemExit(str(exc)) from None
     cluster.create_database(DB)
-    for node in cluster.nodes:
-        with psycopg.connect(node.dsn(DB), autocommit=True) as conn:
-            conn.execute("CREATE EXTENSION pg_stat_statements")
+    # On the coordinator only: Citus creates the extension on the workers too (and refuses
+    # CREATE EXTENSION on a worker).
+    with psycopg.connect(cluster.coordinator.dsn(DB), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_stat_statements")
     return cluster
 
 

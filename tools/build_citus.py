@@ -38,6 +38,7 @@ import argparse
 import hashlib
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -73,7 +74,14 @@ def citus_sources() -> Path:
 
 
 def sudo() -> list[str]:
-    return [] if os.geteuid() == 0 else ["sudo"]
+    """How a non-root user writes to Debian's server tree: sudo, or a clear refusal."""
+    if os.geteuid() == 0:
+        return []
+    if shutil.which("sudo") is None:
+        raise SystemExit("tools/build_citus.py: Debian's PostgreSQL tree needs new Citus files "
+                         "and this user is not root and has no sudo: run `make setup` as root "
+                         "once (later runs as this user install nothing when nothing changed)")
+    return ["sudo"]
 
 
 def run(cmd: list[str], **kwargs: object) -> str:

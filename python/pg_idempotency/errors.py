@@ -63,13 +63,16 @@ class IdempotencyError(Exception):
 
 
 class LeaseLost(IdempotencyError):
-    """IK001: the lease token is no longer current; the key was taken over. Roll back.
+    """IK001: the lease token is not the key's current one (taken over, released, gone, or
+    never this key's). Roll back. Since engine 0.9.0 the answer is the same whatever the key's
+    state, so a wrong token tells nothing about someone else's key.
 
     Also the family of every "you no longer own this key": a call that takes a lease token
     (complete, complete_bytes, accept, checkpoint, heartbeat, release) raises
-    :class:`LeaseLostCompleted` (IK004) when another attempt completed the key meanwhile and
-    :class:`LeaseLostNotFound` (IK003) when it was released or dropped. ``except LeaseLost``
-    catches the three; ``sqlstate`` stays the engine's code."""
+    :class:`LeaseLostCompleted` (IK004) only to the attempt whose own token completed the key
+    (a second complete, say). :class:`LeaseLostNotFound` (IK003) came from those calls before
+    0.9.0 and is kept for code that catches it. ``except LeaseLost`` catches the three;
+    ``sqlstate`` stays the engine's code."""
 
     sqlstate = "IK001"
 
@@ -93,15 +96,16 @@ class AlreadyCompleted(IdempotencyError):
 
 
 class LeaseLostCompleted(LeaseLost, AlreadyCompleted):
-    """IK004 from a call that takes a lease token: a stale attempt, whose key another attempt
-    (a retry after a takeover, or a completer) completed. Roll back; a retry replays."""
+    """IK004 from a call that takes a lease token: the key is completed, with this attempt's
+    own token (it completed already). Roll back what this call was part of; a retry replays."""
 
     sqlstate = "IK004"
 
 
 class LeaseLostNotFound(LeaseLost, KeyNotFound):
-    """IK003 from a call that takes a lease token: the key this attempt held was released or
-    dropped meanwhile. Roll back."""
+    """IK003 from a call that takes a lease token: raised before engine 0.9.0 when the key
+    was released or dropped (now IK001, :class:`LeaseLost`). Kept so existing handlers still
+    import and catch it."""
 
     sqlstate = "IK003"
 
