@@ -43,6 +43,7 @@ $guard$;
 -- - On Citus, grants and maintenance_runs stay coordinator-local tables (see distribute.sql);
 --   run idempotency.distribute() again after this migration to create the new functions on
 --   every node.
+-- - claim() of a released key locks one partition of keys (_drop_released_row).
 
 -- sql/tables/grants.sql
 -- Which roles idempotency.grant_usage() let in, and as which kind. A migration that adds or
@@ -1030,6 +1031,828 @@ COMMENT ON FUNCTION idempotency.force_release(text, text) IS
 released and the next claim runs afresh. Fenced by the current token (IK001 if taken over
 meanwhile); IK003 not in progress (absent or released), IK004 completed. Schema owner only.
 See docs/operations.md.';
+
+
+-- claim() removes a released key's row through a generated route, _drop_released_row, so
+-- that it locks the row's one partition, not all of them (0.9.0's DELETE on the parent did).
+-- sql/functions/_make_routes.sql
+-- Generates the routed statements of the lifecycle, so that they touch one plain partition of
+-- idempotency.keys instead of the partitioned parent:
+--
+--   _key_row(scope, key, created_at)         the key's row (claim's replay/in-progress/mismatch)
+--   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
+--   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
+--   _accept_row, _release_row                accept() and release()
+--   _resume_row                              the takeover of an expired lease (claim, takeover)
+--   _drop_released_row                       claim()'s removal of a released key's row
+--
+-- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
+-- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
+-- and statement; with 100 partitions claim + complete ran at 0.71-0.76x the rate at 5
+-- (docs/benchmarks.md). Dynamic SQL on the partition avoids the locks but plans on every call
+-- (0.63x at any count). A static statement per partition, chosen by an IF on created_at, has a
+-- cached plan on a plain table and locks one table: flat in the number of partitions.
+--
+-- The generated functions are a cache of the catalog, never the truth, so staleness is harmless:
+-- - a partition made after the last generation (pg_partman, by hand) has no branch: its keys go
+--   through the statement on the parent, which is always there last;
+-- - a branch whose partition is gone (dropped by pg_partman, or by maintain() in a transaction
+--   that committed after the caller compiled the function) is skipped by its to_regclass()
+--   test. The generated function locks the parent idempotency.keys before that test, and every
+--   DROP or DETACH of a partition locks the parent exclusively, so the test cannot pass for a
+--   partition dropped before the branch's statement runs;
+-- - a branch that finds no row falls through to the parent, so a row in a partition the branch
+--   did not expect (or the default partition) is still found. Only failures pay for that.
+--
+-- Called by _create_partition (when it makes a partition of keys) and at the end of maintain();
+-- it replaces a function only when the text changes, since every replacement makes each session
+-- compile the function again on its next call.
+CREATE OR REPLACE FUNCTION idempotency._make_routes()
+RETURNS boolean
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+-- The bounds become literals in the generated text: ISO with a numeric UTC offset, which reads
+-- back as the same instant under any DateStyle and TimeZone of the sessions that run it.
+SET datestyle = 'ISO, YMD'
+SET timezone = 'UTC'
+AS $make$
+DECLARE
+    -- One row per generated function: its name, its parameters, what it returns (held in
+    -- v_done), and its statement, in which @table@ is the table addressed (a partition, then
+    -- the parent as the last word) and @fn@ the function's name. The fenced writes match only
+    -- the caller's token on a key in progress; a lease only grows (greatest() ignores a NULL
+    -- expires_at, which keeps the lease as it is).
+    v_routes constant text[][] := ARRAY[
+        ['_key_row', 'scope text, key text, created_at timestamptz', 'idempotency.keys', $sql$
+        SELECT k.* INTO v_done
+        FROM @table@ AS k
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at;$sql$,
+         'claim()''s and takeover()''s read of the key''s row'],
+        ['_complete_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
+         || 'headers jsonb, body jsonb, body_bytes bytea, content_type text, '
+         || 'completed_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET state = 'completed',
+            lease_expires_at = NULL,
+            response_status = @fn@.status,
+            response_headers = @fn@.headers,
+            response_body = @fn@.body,
+            response_body_bytes = @fn@.body_bytes,
+            response_content_type = @fn@.content_type,
+            completed_at = @fn@.completed_at
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.completed_at INTO v_done;$sql$,
+         'complete()''s fenced UPDATE'],
+        ['_heartbeat_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, '
+         || 'expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'heartbeat()''s fenced UPDATE'],
+        ['_checkpoint_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, '
+         || 'recovery_point text, expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET recovery_point = @fn@.recovery_point,
+            lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'checkpoint()''s fenced UPDATE'],
+        ['_accept_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
+         || 'headers jsonb, body jsonb, expires_at timestamptz',
+         'timestamptz', $sql$
+        UPDATE @table@ AS k
+        SET response_status = @fn@.status,
+            response_headers = @fn@.headers,
+            response_body = @fn@.body,
+            response_body_bytes = NULL,
+            response_content_type =
+                CASE WHEN @fn@.body IS NULL THEN NULL ELSE 'application/json' END,
+            lease_expires_at = greatest(k.lease_expires_at, @fn@.expires_at)
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING k.lease_expires_at INTO v_done;$sql$,
+         'accept()''s fenced UPDATE'],
+        ['_release_row',
+         'scope text, key text, lease_token bigint, created_at timestamptz',
+         'boolean', $sql$
+        UPDATE @table@ AS k
+        SET state = 'released',
+            lease_expires_at = NULL,
+            response_status = NULL,
+            response_headers = NULL,
+            response_body = NULL,
+            response_body_bytes = NULL,
+            response_content_type = NULL
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.created_at = @fn@.created_at
+        RETURNING true INTO v_done;$sql$,
+         'release()''s fenced UPDATE'],
+        ['_drop_released_row',
+         'scope text, key text, created_at timestamptz, lease_token bigint',
+         'boolean', $sql$
+        DELETE FROM @table@ AS k
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at
+          AND k.state = 'released' AND k.lease_token = @fn@.lease_token
+        RETURNING true INTO v_done;$sql$,
+         'claim()''s removal of a released row, compared on its token'],
+        ['_resume_row',
+         'scope text, key text, created_at timestamptz, lease_token bigint, '
+         || 'new_token bigint, lease_expires_at timestamptz, reference_time timestamptz',
+         'idempotency.claim_result', $sql$
+        UPDATE @table@ AS k
+        SET lease_token = @fn@.new_token,
+            lease_expires_at = @fn@.lease_expires_at,
+            attempts = k.attempts + 1
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+          AND k.lease_expires_at <= @fn@.reference_time
+        RETURNING 'resumed', k.lease_token, k.lease_expires_at, k.recovery_point, k.attempts,
+                  NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+                  NULL::interval, k.created_at, NULL::timestamptz
+        INTO v_done;$sql$,
+         'the takeover of an expired lease (claim''s and takeover()''s compare-and-set)']
+    ];
+    v_names text[];
+    v_lowers timestamptz[];
+    v_uppers timestamptz[];
+    v_fn text;
+    v_stmt text;
+    v_branches text;
+    v_source text;
+    v_proc text;
+    v_signature regprocedure;
+    v_changed boolean := false;
+BEGIN
+    -- The partitions, read once for every route. Newest first: most calls concern keys claimed
+    -- moments ago (the partitions made ahead come first, but they are only a few). None on
+    -- Citus (idempotency.distribute): there each statement goes to the scope's shard of the
+    -- parent, and the worker prunes its partitions; a branch per partition would only add a
+    -- lock statement and tests to every call.
+    SELECT coalesce(array_agg(format('idempotency.%I', p.partition_name)
+                              ORDER BY p.lower_bound DESC), '{}'),
+           array_agg(p.lower_bound ORDER BY p.lower_bound DESC),
+           array_agg(p.upper_bound ORDER BY p.lower_bound DESC)
+    INTO v_names, v_lowers, v_uppers
+    FROM idempotency._partitions('keys') AS p
+    WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
+      AND NOT idempotency._distributed();
+
+    FOR i IN 1 .. array_length(v_routes, 1) LOOP
+        v_fn := v_routes[i][1];
+        v_stmt := replace(v_routes[i][4], '@fn@', v_fn);
+        v_branches := '';
+        FOR j IN 1 .. cardinality(v_names) LOOP
+            -- replace(), not format(), for the statement: a partition's name may hold a %.
+            -- The table's name goes in last, so nothing in it is replaced.
+            v_branches := v_branches || format(
+                E'\n    %1$s %2$s.created_at >= %3$L::timestamptz'
+                || ' AND %2$s.created_at < %4$L::timestamptz'
+                || E'\n       AND to_regclass(%5$L) IS NOT NULL THEN',
+                CASE WHEN v_branches = '' THEN 'IF' ELSE 'ELSIF' END, v_fn,
+                v_lowers[j], v_uppers[j], v_names[j])
+                || replace(v_stmt, '@table@', v_names[j]);
+        END LOOP;
+        IF v_branches <> '' THEN
+            v_branches := v_branches
+                || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+        END IF;
+        IF v_branches <> '' THEN
+            -- The lock on the parent comes before the branches' to_regclass tests: a DROP or
+            -- DETACH of a partition locks the parent exclusively, so no test can pass for a
+            -- partition that is gone before its statement runs. (Relations in a query are
+            -- locked when its plan is, WHERE false or not.)
+            v_branches := E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;'
+                          || v_branches;
+        END IF;
+        v_source := format(
+            E'\n-- Generated by idempotency._make_routes(): do not edit.\n'
+            'DECLARE\n    v_done %s;\nBEGIN%s%s\n    RETURN v_done;\nEND;\n',
+            v_routes[i][3], v_branches, replace(v_stmt, '@table@', 'idempotency.keys'));
+        -- 'idempotency.name(text, bigint, ...)': the parameters' types, for to_regprocedure.
+        v_proc := format(
+            'idempotency.%s(%s)', v_fn,
+            (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
+             FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n)));
+        v_signature := to_regprocedure(v_proc);
+        IF v_signature IS NULL
+           OR v_source IS DISTINCT FROM (SELECT p.prosrc FROM pg_proc AS p
+                                         WHERE p.oid = v_signature) THEN
+            -- No SET clauses: only functions that pin search_path and generic plans call it,
+            -- and a SET would cost a GUC save and restore on every call.
+            EXECUTE format($ddl$
+                CREATE OR REPLACE FUNCTION idempotency.%I(%s)
+                RETURNS %s
+                LANGUAGE plpgsql
+                -- VOLATILE: each statement takes its own snapshot, after the caller's locks.
+                VOLATILE
+                AS %L$ddl$, v_fn, v_routes[i][2], v_routes[i][3], v_source);
+            v_signature := to_regprocedure(v_proc);
+            -- CREATE OR REPLACE keeps the privileges of a function that existed; a new one
+            -- would be executable by PUBLIC.
+            EXECUTE format('REVOKE ALL ON FUNCTION %s FROM public', v_signature);
+            EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_signature,
+                           format('Internal, generated by _make_routes(): %s on the partition '
+                                  'of keys that created_at names, through the parent when no '
+                                  'branch finds the row.', v_routes[i][5]));
+            v_changed := true;
+        END IF;
+    END LOOP;
+    RETURN v_changed;
+END;
+$make$;
+
+COMMENT ON FUNCTION idempotency._make_routes() IS
+'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row,
+_release_row, _resume_row and _drop_released_row, which address one partition of keys by a static statement per partition;
+true when any was replaced. Run by _create_partition and maintain().';
+
+SELECT idempotency._make_routes() AS routes_made;
+-- sql/functions/claim.sql
+-- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
+-- retries see the claim at once: a concurrent claim of the same key waits until this
+-- transaction ends (see sql/tables/key_directory.sql).
+--
+-- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
+-- lease expired; you own it under a higher token and should reconcile from recovery_point),
+-- replay (completed: return the stored response), accepted (a long-running operation's owner
+-- stored an interim response with accept(): return it), in_progress (someone holds a live lease:
+-- retry after retry_after), mismatch (the key was used with a different request: never execute,
+-- never replay), expired (maintain() dropped the key after its retention and kept only a
+-- tombstone, settings.tombstones: never execute, never replay).
+CREATE OR REPLACE FUNCTION idempotency.claim(
+    scope text,
+    key text,
+    request jsonb,
+    lease interval DEFAULT '30 seconds',
+    fingerprint bytea DEFAULT NULL,
+    strict boolean DEFAULT false,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+-- SECURITY DEFINER so that an application role can claim keys without any privilege on the
+-- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.claim', claim.reference_time) END;
+    v_key_hash bytea;
+    v_created_at timestamptz;
+    v_fingerprint bytea;
+    v_existing idempotency.keys;
+    v_previous bigint;
+    v_insert boolean := false;
+    v_result idempotency.claim_result;
+BEGIN
+    -- One inlined test for the common case; the _check_* calls say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
+        PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
+        PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
+    END IF;
+    IF claim.fingerprint IS NOT NULL THEN
+        IF claim.request IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK016',
+                'must be NULL when request is given',
+                'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                || 'fingerprint, not both.');
+        ELSIF octet_length(claim.fingerprint) <> 32 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                format('It is %s bytes long.', octet_length(claim.fingerprint)));
+        END IF;
+        v_fingerprint := claim.fingerprint;
+    ELSIF claim.request IS NULL THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+            'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+    ELSE
+        -- fingerprint(request) without its defaults/fields handling, saving a call.
+        v_fingerprint := sha256(convert_to(
+            idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+            'UTF8'));
+    END IF;
+    v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM idempotency._require_read_committed('idempotency.claim');
+    END IF;
+
+    -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
+    -- below either makes this claim the key's one owner, or waits for a concurrent claim of the
+    -- same key to end and then does nothing. Each later statement takes a snapshot after that,
+    -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
+    -- on the node that holds the scope's shard, however the call arrived.
+    FOR attempt IN 1 .. 5 LOOP
+        INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+        VALUES (claim.scope, v_key_hash, v_now)
+        ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+        -- A new key (the common case): its row is inserted after the loop.
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
+
+        SELECT e.created_at INTO v_created_at
+        FROM idempotency.key_directory AS e
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+        IF NOT FOUND THEN
+            -- Dropped (maintain) since the insert looked: insert again.
+            CONTINUE;
+        END IF;
+        -- The row in the one partition created_at names, by a static statement on that
+        -- partition (see _make_routes).
+        v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+        IF v_existing.scope IS NULL THEN
+            -- The key's row is gone (its partition was dropped after its retention): a
+            -- tombstone answers expired (settings.tombstones); without one the key is new
+            -- again, under the same directory row.
+            SELECT 'expired', t.response_status, t.created_at
+            INTO v_result.outcome, v_result.response_status, v_result.created_at
+            FROM idempotency.tombstones AS t
+            WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+              AND t.created_at = v_created_at AND t.expires_at > v_now;
+            IF FOUND THEN
+                RETURN v_result;
+            END IF;
+        ELSIF v_existing.state = 'released' THEN
+            -- Released by its owner after a failure with no side effect: the key is new again
+            -- (even for another request), and its next owner's token must still be greater
+            -- than the released owner's (see _new_token). The released row goes, compared and
+            -- set on its token so that only one of two concurrent claims takes it, by a static
+            -- statement on its one partition (see _make_routes; a DELETE on the parent would
+            -- lock every partition).
+            CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
+                claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
+            v_previous := v_existing.lease_token;
+        ELSIF v_existing.fingerprint <> v_fingerprint THEN
+            IF claim.strict THEN
+                RAISE EXCEPTION USING
+                    MESSAGE = format('idempotency.claim: key %s in scope %s was used with a '
+                                     'different request', to_json(claim.key),
+                                     to_json(claim.scope)),
+                    ERRCODE = 'IK002',
+                    -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                    -- replay the stored response to a caller that does not know the request.
+                    DETAIL = format('This request''s fingerprint is %s.',
+                                    encode(v_fingerprint, 'hex')),
+                    HINT = 'Use a new idempotency key for a different request.';
+            END IF;
+            v_result.outcome := 'mismatch';
+            v_result.created_at := v_existing.created_at;
+            RETURN v_result;
+        ELSE
+            v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+            -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
+            IF v_result.outcome IS NOT NULL THEN
+                RETURN v_result;
+            END IF;
+            -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
+            CONTINUE;
+        END IF;
+        -- Gone or released: the directory row moves to the new key row, compared on the
+        -- created_at read above; a concurrent claim that moved it first makes this one look
+        -- again.
+        UPDATE idempotency.key_directory AS e
+        SET created_at = v_now
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+          AND e.created_at = v_created_at;
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
+    END LOOP;
+    IF NOT v_insert THEN
+        -- Five lost races in a row means the owner is actively heartbeating: in progress.
+        v_result.outcome := 'in_progress';
+        v_result.retry_after := claim.lease;
+        RETURN v_result;
+    END IF;
+
+    -- This claim owns the key: its row, in the partition v_now names, with a token above the
+    -- released owner's if there was one.
+    INSERT INTO idempotency.keys AS k (
+        scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+    )
+    VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+            idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+    RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+              NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+              NULL::interval, k.created_at, NULL::timestamptz
+    INTO v_result;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
+'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
+mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is a test clock that
+only the schema owner may pass; leave it NULL. See docs/sql-api.md.';
+
+-- Comments only: since 0.9.0 the fenced calls raise IK001 or IK004 (never IK003), and
+-- key_status reports released keys.
+-- sql/functions/complete.sql
+-- Call inside the business transaction, after its writes: the response becomes replayable in
+-- the same commit as the effect it describes.
+CREATE OR REPLACE FUNCTION idempotency.complete(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    RETURN idempotency._finish(
+        'idempotency.complete', complete.scope, complete.key, complete.lease_token,
+        complete.status, coalesce(complete.headers, '{}'), complete.body, NULL,
+        CASE WHEN complete.body IS NULL THEN NULL ELSE 'application/json' END,
+        complete.reference_time);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz) IS
+'Complete a key you hold with a JSON response (body may be NULL, e.g. for 204), in the same
+transaction as the business write; returns completed_at. Raises IK001 (not the key''s current
+token: roll back) or IK004 (already completed with this token).';
+
+-- sql/functions/complete_bytes.sql
+-- complete() for responses that are not JSON (a PDF, a CSV, an XML body): the bytes and their
+-- content type are replayed as they were.
+CREATE OR REPLACE FUNCTION idempotency.complete_bytes(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body bytea,
+    content_type text,
+    headers jsonb DEFAULT '{}',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- A body needs its content type; a content type is checked even without a body, since it
+    -- is replayed as a header either way. The inlined test first: the PERFORM of _check_name
+    -- cost 14 µs of complete_bytes' 170 (pg_stat_statements, track = all).
+    IF (complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL)
+       AND NOT coalesce(idempotency._name_ok(complete_bytes.content_type), false) THEN
+        PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
+                                        complete_bytes.content_type);
+    END IF;
+    RETURN idempotency._finish(
+        'idempotency.complete_bytes', complete_bytes.scope, complete_bytes.key,
+        complete_bytes.lease_token, complete_bytes.status,
+        coalesce(complete_bytes.headers, '{}'), NULL, complete_bytes.body,
+        complete_bytes.content_type, complete_bytes.reference_time);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.complete_bytes(
+    text, text, bigint, integer, bytea, text, jsonb, timestamptz
+) IS
+'Complete a key you hold with a non-JSON response body and its content type, in the same
+transaction as the business write; returns completed_at. Raises IK001 or IK004.';
+
+-- sql/functions/heartbeat.sql
+-- Keeps a lease alive during long work. The token, not the clock, decides ownership: a holder
+-- whose lease ran out but was not taken over yet may still heartbeat and carry on.
+CREATE OR REPLACE FUNCTION idempotency.heartbeat(
+    scope text,
+    key text,
+    lease_token bigint,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN heartbeat.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.heartbeat', heartbeat.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(heartbeat.scope) AND idempotency._name_ok(heartbeat.key)
+                    AND heartbeat.lease_token IS NOT NULL
+                    AND idempotency._lease_ok(heartbeat.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'scope', heartbeat.scope);
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'key', heartbeat.key);
+        IF heartbeat.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.heartbeat', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_lease('idempotency.heartbeat', 'lease', heartbeat.lease);
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = heartbeat.scope AND d.key_hash = sha256(convert_to(heartbeat.key, 'UTF8'));
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    v_expires := idempotency._heartbeat_row(heartbeat.scope, heartbeat.key,
+                                            heartbeat.lease_token, v_created_at,
+                                            v_now + heartbeat.lease);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.heartbeat', heartbeat.scope,
+                                         heartbeat.key, heartbeat.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.heartbeat(text, text, bigint, interval, timestamptz) IS
+'Extend the lease of a key you hold to at least now + lease; returns the new expiry. Raises
+IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/checkpoint.sql
+-- Records how far the operation got, in the caller's transaction: the step's own writes and the
+-- recovery point commit together or not at all, so a worker that takes the key over after a
+-- crash sees exactly the steps whose effects are durable. Fenced: a stale token raises.
+CREATE OR REPLACE FUNCTION idempotency.checkpoint(
+    scope text,
+    key text,
+    lease_token bigint,
+    recovery_point text,
+    extend interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN checkpoint.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.checkpoint', checkpoint.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(checkpoint.scope)
+                    AND idempotency._name_ok(checkpoint.key)
+                    AND checkpoint.lease_token IS NOT NULL
+                    AND idempotency._name_ok(checkpoint.recovery_point)
+                    AND (checkpoint.extend IS NULL
+                         OR idempotency._lease_ok(checkpoint.extend)), false) THEN
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'key', checkpoint.key);
+        IF checkpoint.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.checkpoint', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'recovery_point',
+                                        checkpoint.recovery_point);
+        IF checkpoint.extend IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend',
+                                             checkpoint.extend);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = checkpoint.scope AND d.key_hash = sha256(convert_to(checkpoint.key, 'UTF8'));
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no extend) keeps the lease as it is.
+    v_expires := idempotency._checkpoint_row(checkpoint.scope, checkpoint.key,
+                                             checkpoint.lease_token, v_created_at,
+                                             checkpoint.recovery_point,
+                                             v_now + checkpoint.extend);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.checkpoint', checkpoint.scope,
+                                         checkpoint.key, checkpoint.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.checkpoint(text, text, bigint, text, interval, timestamptz) IS
+'Record recovery_point for a key you hold (in your transaction, with that step''s writes),
+optionally extending the lease to at least now + extend. Returns the lease expiry. Raises IK001
+(not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/accept.sql
+-- For long-running operations: the owner answers "202 Accepted" now and finishes later (a worker
+-- that heartbeats the lease and calls complete). Call it in the transaction that hands the work
+-- over (the one that enqueues the job), so that the hand-off and the interim response commit
+-- together or not at all. Until complete, a claim of the key under a live lease returns outcome
+-- accepted with this response instead of in_progress, so every retry gets the same answer.
+--
+-- Storage: the interim response lives in the response_* columns of the row, which stays
+-- in_progress (no column of its own: complete() overwrites them with the final response, and a
+-- row is "accepted" exactly when it is in progress with response_status set). Fenced like
+-- complete(): a stale token raises IK001 (IK004 if it completed the key) and the hand-off rolls
+-- back with it.
+CREATE OR REPLACE FUNCTION idempotency.accept(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    lease interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
+    v_created_at timestamptz;
+    v_headers jsonb := coalesce(accept.headers, '{}');
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
+                    AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
+                    AND idempotency._headers_ok(v_headers)
+                    AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
+                    false) THEN
+        PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
+                                            accept.lease_token, accept.status, v_headers);
+        IF accept.lease IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no lease given) keeps the lease as it is.
+    v_expires := idempotency._accept_row(accept.scope, accept.key, accept.lease_token,
+                                         v_created_at, accept.status, v_headers, accept.body,
+                                         v_now + accept.lease);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,
+                                         accept.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.accept(
+    text, text, bigint, integer, jsonb, jsonb, interval, timestamptz
+) IS
+'Store an interim response (e.g. 202 Accepted with a status URL) on a key you hold, in the
+transaction that hands the work over; optionally extend the lease to at least now + lease.
+Returns the lease expiry. Until complete(), claims under a live lease get outcome accepted with
+this response. Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/release.sql
+-- For a failure before any side effect: the key is forgotten, and the next retry runs afresh
+-- (even with a different request). After a side effect, do not release: leave the lease to
+-- expire so the next attempt resumes from the recovery point.
+-- The row stays, in state released, until the next claim of the key replaces it (or maintain()
+-- drops it with its partition): the next owner's token is made greater than this one's.
+CREATE OR REPLACE FUNCTION idempotency.release(scope text, key text, lease_token bigint)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_created_at timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(release.scope) AND idempotency._name_ok(release.key)
+                    AND release.lease_token IS NOT NULL, false) THEN
+        PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
+        PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
+        IF release.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.release', 'lease_token', 'IK010',
+                                                  'must not be NULL');
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'));
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    IF idempotency._release_row(release.scope, release.key, release.lease_token,
+                                v_created_at) IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
+                                         release.lease_token);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
+'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
+Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/key_status.sql
+-- Observability, for operators (pg-idempotency status): keys by scope and state, the oldest key
+-- in progress, expired leases nobody has taken over yet, live tombstones. It reads every row,
+-- so run it on demand, not on every scrape of a busy system.
+CREATE OR REPLACE FUNCTION idempotency.key_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.key_status
+-- PL/pgSQL, not SQL: Citus cannot plan a SQL function's parameterised query (its planner sees
+-- the parameters unresolved).
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
+BEGIN
+    -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
+    -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
+    RETURN QUERY
+    SELECT s.* FROM (
+    SELECT k.scope,
+           k.state,
+           count(*),
+           min(k.created_at),
+           (array_agg(k.key ORDER BY k.created_at) FILTER (WHERE k.state = 'in_progress'))[1],
+           count(*) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           ),
+           min(k.lease_expires_at) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           )
+    FROM idempotency.keys AS k
+    GROUP BY k.scope, k.state
+    UNION ALL
+    SELECT t.scope, 'tombstone', count(*), min(t.created_at), NULL, NULL, NULL
+    FROM idempotency.tombstones AS t
+    WHERE t.expires_at > v_now
+    GROUP BY t.scope
+    ) AS s (scope, state, keys, oldest_created_at, oldest_key, expired_leases,
+            oldest_expired_lease)
+    ORDER BY s.scope, s.state;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS
+'Keys per scope and state (in_progress, completed, released, tombstone): count, oldest, the
+oldest key in progress, expired leases waiting for takeover. Reads every row.';
 
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.

@@ -30,7 +30,7 @@ from test_upgrade_directory import make_state, walk
 from pgharness import PgServer
 
 ROUTES = ("_key_row", "_complete_row", "_heartbeat_row", "_checkpoint_row", "_accept_row",
-          "_release_row", "_resume_row")
+          "_release_row", "_resume_row", "_drop_released_row")
 #: The fenced calls routed by 0008, each as SQL taking (scope, key, token).
 FENCED = {
     "heartbeat": "SELECT idempotency.heartbeat(%s, %s, %s, '1 hour') IS NOT NULL",
@@ -214,6 +214,8 @@ def test_fenced_calls_lock_only_the_keys_partition(db: str, options: str) -> Non
         # The next claim replaces the released row: a new key, under a greater token.
         again = conn.execute("SELECT outcome, lease_token, attempts "
                              "FROM idempotency.claim('f', 'k', '{\"other\": 1}')").fetchone()
+        # ... through _drop_released_row: one partition locked, not all 30 (0010).
+        assert [r[0] for r in conn.execute(KEY_LOCKS).fetchall()] == [today]
         conn.commit()
         assert again[0] == "claimed" and again[1] > tok and again[2] == 1
         assert conn.execute(state).fetchone() == ("in_progress", None, None, False)

@@ -6,6 +6,7 @@
 --   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
 --   _accept_row, _release_row                accept() and release()
 --   _resume_row                              the takeover of an expired lease (claim, takeover)
+--   _drop_released_row                       claim()'s removal of a released key's row
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
 -- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
@@ -126,6 +127,15 @@ DECLARE
           AND k.created_at = @fn@.created_at
         RETURNING true INTO v_done;$sql$,
          'release()''s fenced UPDATE'],
+        ['_drop_released_row',
+         'scope text, key text, created_at timestamptz, lease_token bigint',
+         'boolean', $sql$
+        DELETE FROM @table@ AS k
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.created_at = @fn@.created_at
+          AND k.state = 'released' AND k.lease_token = @fn@.lease_token
+        RETURNING true INTO v_done;$sql$,
+         'claim()''s removal of a released row, compared on its token'],
         ['_resume_row',
          'scope text, key text, created_at timestamptz, lease_token bigint, '
          || 'new_token bigint, lease_expires_at timestamptz, reference_time timestamptz',
@@ -235,5 +245,5 @@ $make$;
 
 COMMENT ON FUNCTION idempotency._make_routes() IS
 'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row,
-_release_row and _resume_row, which address one partition of keys by a static statement per partition;
+_release_row, _resume_row and _drop_released_row, which address one partition of keys by a static statement per partition;
 true when any was replaced. Run by _create_partition and maintain().';

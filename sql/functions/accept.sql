@@ -7,7 +7,8 @@
 -- Storage: the interim response lives in the response_* columns of the row, which stays
 -- in_progress (no column of its own: complete() overwrites them with the final response, and a
 -- row is "accepted" exactly when it is in progress with response_status set). Fenced like
--- complete(): a stale token raises IK001, IK003 or IK004 and the hand-off rolls back with it.
+-- complete(): a stale token raises IK001 (IK004 if it completed the key) and the hand-off rolls
+-- back with it.
 CREATE FUNCTION idempotency.accept(
     scope text,
     key text,
@@ -71,4 +72,4 @@ COMMENT ON FUNCTION idempotency.accept(
 'Store an interim response (e.g. 202 Accepted with a status URL) on a key you hold, in the
 transaction that hands the work over; optionally extend the lease to at least now + lease.
 Returns the lease expiry. Until complete(), claims under a live lease get outcome accepted with
-this response. Raises IK001 (lease lost), IK003 (no such key) or IK004 (already completed).';
+this response. Raises IK001 (not the key''s current token) or IK004 (completed with this token).';

@@ -67,4 +67,4 @@ $$;
 COMMENT ON FUNCTION idempotency.checkpoint(text, text, bigint, text, interval, timestamptz) IS
 'Record recovery_point for a key you hold (in your transaction, with that step''s writes),
 optionally extending the lease to at least now + extend. Returns the lease expiry. Raises IK001
-(lease lost), IK003 (no such key) or IK004 (already completed).';
+(not the key''s current token) or IK004 (completed with this token).';

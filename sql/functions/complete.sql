@@ -26,5 +26,5 @@ $$;
 
 COMMENT ON FUNCTION idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz) IS
 'Complete a key you hold with a JSON response (body may be NULL, e.g. for 204), in the same
-transaction as the business write; returns completed_at. Raises IK001 (lease lost: roll back),
-IK003 (no such key) or IK004 (already completed).';
+transaction as the business write; returns completed_at. Raises IK001 (not the key''s current
+token: roll back) or IK004 (already completed with this token).';

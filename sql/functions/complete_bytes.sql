@@ -37,4 +37,4 @@ COMMENT ON FUNCTION idempotency.complete_bytes(
     text, text, bigint, integer, bytea, text, jsonb, timestamptz
 ) IS
 'Complete a key you hold with a non-JSON response body and its content type, in the same
-transaction as the business write; returns completed_at. Raises IK001, IK003 or IK004.';
+transaction as the business write; returns completed_at. Raises IK001 or IK004.';

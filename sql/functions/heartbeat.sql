@@ -54,4 +54,4 @@ $$;
 
 COMMENT ON FUNCTION idempotency.heartbeat(text, text, bigint, interval, timestamptz) IS
 'Extend the lease of a key you hold to at least now + lease; returns the new expiry. Raises
-IK001 (lease lost), IK003 (no such key) or IK004 (already completed).';
+IK001 (not the key''s current token) or IK004 (completed with this token).';

@@ -43,5 +43,5 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS
-'Keys per scope and state (in_progress, completed, tombstone): count, oldest, the oldest key in
-progress, expired leases waiting for takeover. Reads every row.';
+'Keys per scope and state (in_progress, completed, released, tombstone): count, oldest, the
+oldest key in progress, expired leases waiting for takeover. Reads every row.';

@@ -43,4 +43,4 @@ $$;
 
 COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
 'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
-Raises IK001 (lease lost), IK003 (no such key) or IK004 (already completed).';
+Raises IK001 (not the key''s current token) or IK004 (completed with this token).';

@@ -18,6 +18,7 @@
 -- - On Citus, grants and maintenance_runs stay coordinator-local tables (see distribute.sql);
 --   run idempotency.distribute() again after this migration to create the new functions on
 --   every node.
+-- - claim() of a released key locks one partition of keys (_drop_released_row).
 
 -- @include tables/grants.sql
 -- @include tables/maintenance_runs.sql
@@ -50,6 +51,21 @@ ON CONFLICT DO NOTHING;
 -- @include functions/inspect_key.sql
 -- @include functions/list_keys.sql
 -- @include functions/force_release.sql
+
+-- claim() removes a released key's row through a generated route, _drop_released_row, so
+-- that it locks the row's one partition, not all of them (0.9.0's DELETE on the parent did).
+-- @replace functions/_make_routes.sql
+SELECT idempotency._make_routes() AS routes_made;
+-- @replace functions/claim.sql
+-- Comments only: since 0.9.0 the fenced calls raise IK001 or IK004 (never IK003), and
+-- key_status reports released keys.
+-- @replace functions/complete.sql
+-- @replace functions/complete_bytes.sql
+-- @replace functions/heartbeat.sql
+-- @replace functions/checkpoint.sql
+-- @replace functions/accept.sql
+-- @replace functions/release.sql
+-- @replace functions/key_status.sql
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

@@ -549,8 +549,8 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NULL
       ORDER BY 1$$,
-    $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_headers_ok'),
-             ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_name_ok'), ('_new_token'),
+    $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_drop_released_row'),
+             ('_headers_ok'), ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_name_ok'), ('_new_token'),
              ('_release_row'), ('_resume_row')$$,
     'every function pins search_path except the inlinable helpers and the generated routes '
     || '(called only from functions that pin it; see _make_routes)'
@@ -610,6 +610,7 @@ SELECT results_eq(
         ('_checkpoint_row', 'v'),
         ('_complete_row', 'v'),
         ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
+        ('_drop_released_row', 'v'),
         ('_finish', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_key_hash', 'i'), ('_key_row', 'v'), ('_lease_error', 's'),
