@@ -25,13 +25,11 @@ from psycopg_pool import ConnectionPool
 
 from pg_idempotency.flask import Idempotency, get_operation
 
+# One row per payment: the retry storm of tests/test_http_adapters.py counts them.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS ledger (
-    id bigserial PRIMARY KEY,
-    account text NOT NULL,
-    amount integer NOT NULL,
-    currency text NOT NULL,
-    payment_id text NOT NULL UNIQUE
+    payment_id text PRIMARY KEY,
+    account text NOT NULL, amount integer NOT NULL CHECK (amount > 0), currency text NOT NULL
 )
 """
 
