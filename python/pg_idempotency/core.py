@@ -18,7 +18,7 @@ import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -143,10 +143,13 @@ class ClaimResult:
         response = None
         if outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
             body_bytes = row["response_body_bytes"]
+            body = load_json(row["response_body"])
+            if body is None and body_bytes is not None:
+                body = _json_of_bytes(row["response_content_type"], bytes(body_bytes))
             response = StoredResponse(
                 status=row["response_status"],
                 headers=dict(load_json(row["response_headers"]) or {}),
-                body=load_json(row["response_body"]),
+                body=body,
                 body_bytes=bytes(body_bytes) if body_bytes is not None else None,
                 content_type=row["response_content_type"],
                 completed_at=load_time(row["completed_at"]),
@@ -154,6 +157,44 @@ class ClaimResult:
         return cls(outcome, row["lease_token"], load_time(row["lease_expires_at"]),
                    row["recovery_point"], row["attempts"], load_interval(row["retry_after"]),
                    load_time(row["created_at"]), response)
+
+
+def json_bytes(value: Any) -> bytes:
+    """A JSON value as the bytes stored and replayed for it: compact, its keys in the order
+    given (jsonb would sort them), a Decimal by its exact digits, a tuple as an array. Call
+    :func:`~pg_idempotency.fingerprint.canonical_json` first to refuse what jsonb refuses."""
+    return "".join(_json_parts(value)).encode()
+
+
+def _json_parts(value: Any) -> Iterator[str]:
+    if isinstance(value, Mapping):
+        yield "{"
+        for i, (name, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(name, ensure_ascii=False) + ":"
+            yield from _json_parts(item)
+        yield "}"
+    elif isinstance(value, (list, tuple)):
+        yield "["
+        for i, item in enumerate(value):
+            if i:
+                yield ","
+            yield from _json_parts(item)
+        yield "]"
+    elif isinstance(value, Decimal):
+        yield str(value)
+    else:
+        yield json.dumps(value, ensure_ascii=False)
+
+
+def _json_of_bytes(content_type: str | None, body: bytes) -> Any:
+    """The JSON value of a stored JSON body (None for any other body, or one that does not
+    parse)."""
+    if content_type is None or "json" not in content_type:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 def load_json(text: str | None) -> Any:
@@ -529,8 +570,14 @@ def _complete_query(scope: str, key: str, lease_token: int, status: int, body: A
     if content_type is not None:
         raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
                          "application/json")
-    params["body"] = _jsonb(body) if body is not None else None
-    return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
+    if body is None:
+        params["body"] = None
+        return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
+    # A JSON value is stored as the bytes it serialises to (complete_bytes, application/json):
+    # jsonb would reorder its keys, so {"zeta":1,"a":2} would replay as {"a":2,"zeta":1}.
+    canonical_json(body)  # refuses what jsonb would refuse (NaN, lone surrogates, ...)
+    params.update(body=json_bytes(body), content_type="application/json")
+    return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit)
 
 
 def complete(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -744,12 +791,17 @@ class OperationCore:
         completed_at = load_time(row["completed_at"])
         self._done = True
         is_bytes = isinstance(body, (bytes, bytearray, memoryview))
-        self.response = StoredResponse(
-            status=status, headers=dict(headers or {}),
-            body=None if is_bytes else body, body_bytes=bytes(body) if is_bytes else None,
-            content_type=(content_type or "application/octet-stream") if is_bytes
-            else ("application/json" if body is not None else None),
-            completed_at=completed_at)
+        if is_bytes:
+            stored, content_type = bytes(body), content_type or "application/octet-stream"
+            value = _json_of_bytes(content_type, stored)
+        elif body is not None:
+            stored, content_type = json_bytes(body), "application/json"
+            value = json.loads(stored)  # as every replay will see it (a tuple is a list)
+        else:
+            stored, value = None, None
+        self.response = StoredResponse(status=status, headers=dict(headers or {}), body=value,
+                                       body_bytes=stored, content_type=content_type,
+                                       completed_at=completed_at)
         return self.response
 
     def g_accept(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
@@ -821,11 +873,29 @@ class OperationCore:
             return self.replay.json()
         try:
             value = yield _Call(fn, args, kwargs)
-            yield from self.g_complete(status, value)
+            stored = yield from self.g_complete(status, value)
         except BaseException as exc:
             yield from self.g_exit(exc)
             raise
-        return value
+        # What every retry will get back: the stored JSON value (a tuple comes back as a list,
+        # from the first call on), so the first answer and its replays are equal.
+        return stored.json() if value is not None else None
+
+
+def refuse_managed(conn: Any) -> None:
+    """:func:`~pg_idempotency.operation` and ``@idempotent`` commit on ``conn`` themselves (the
+    claim alone, then the business transaction with the response). A framework's connection
+    whose transactions the framework manages breaks under that (Django: ``atomic()``,
+    ``get_or_create`` and ``bulk_create`` fail with "can't change 'autocommit' now", and
+    ``on_commit`` fires for a write that rolled back): refuse it and name the adapter to use.
+    Recognised by the connection's cursor class (no framework is imported)."""
+    factory = getattr(conn, "cursor_factory", None)
+    if getattr(factory, "__module__", "").startswith("django."):
+        raise UsageError(
+            "operation() and @idempotent commit on the connection themselves, and this is "
+            "Django's connection, whose transactions Django manages (atomic(), on_commit): use "
+            "pg_idempotency.django instead (@idempotent on the view, or IdempotencyMiddleware; "
+            "docs/django.md), or a connection of your own")
 
 
 def idempotent_wrapper(fn: Callable[..., Any], *, lease: timedelta | float, status: int,
@@ -840,6 +910,7 @@ def idempotent_wrapper(fn: Callable[..., Any], *, lease: timedelta | float, stat
 
     @functools.wraps(fn)
     def wrapper(conn: Any, scope: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        refuse_managed(conn)
         request = {"function": name, "args": list(args), "kwargs": kwargs}
         core = OperationCore(scope, key, request, lease=lease)
         call_kwargs = dict(kwargs, op=make_op(core, conn)) if wants_op else kwargs

@@ -51,7 +51,7 @@ _TOKENS = re.compile(r'("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
 
 def describe_request(method: str, path: str, query: str | None, content_type: str,
                      body: bytes) -> dict[str, Any]:
-    """What the HTTP adapters (the ASGI and Django middleware) fingerprint for a request: the
+    """What every HTTP adapter (:mod:`pg_idempotency.contract`) fingerprints for a request: the
     method, the path, the query string (``None``: it does not count) and the body, a JSON body
     by its parsed value (so its canonical form counts, not its spacing or key order) and any
     other by its sha256. One definition, so a key means the same behind either adapter."""
