@@ -316,15 +316,24 @@ def ledger(dsn: str, intent: str) -> int:
                             (intent,)).fetchone()[0]  # type: ignore[index]
 
 
-def has_key(dsn: str, key: str) -> bool:
+def key_state(dsn: str, key: str) -> str | None:
+    """The state of the key's one row, None when it was never claimed. release() keeps the
+    row, in state released (no lease, no response), for the next claim (engine 0.9.0)."""
     with psycopg.connect(dsn) as conn:
-        return conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = %s",
-                            (key,)).fetchone()[0] == 1  # type: ignore[index]
+        rows = conn.execute("SELECT state, lease_expires_at, response_status"
+                            " FROM idempotency.keys WHERE key = %s", (key,)).fetchall()
+    assert len(rows) <= 1, rows
+    if not rows:
+        return None
+    state, lease, status = rows[0]
+    if state == "released":
+        assert (lease, status) == (None, None), rows
+    return str(state)
 
 
 def until_claimed(dsn: str, key: str) -> None:
     deadline = time.monotonic() + 10
-    while not has_key(dsn, key):
+    while key_state(dsn, key) != "in_progress":
         assert time.monotonic() < deadline, f"{key} was never claimed"
         time.sleep(0.02)
 
@@ -363,7 +372,7 @@ def case_missing_key_400_and_unlisted_route_not_keyed(base: str, dsn: str) -> No
     problem(pay(base, None, "i"), 400)
     for _ in range(2):
         fresh(pay(base, "k", "free", path="/free"))  # not a keyed route: runs each time
-    assert ledger(dsn, "free") == 2 and not has_key(dsn, "k")
+    assert ledger(dsn, "free") == 2 and key_state(dsn, "k") is None
 
 
 def case_in_progress_409_with_retry_after(base: str, dsn: str) -> None:
@@ -394,8 +403,9 @@ def case_query_string_not_in_fingerprint(base: str, dsn: str) -> None:
 def case_5xx_not_stored_by_default(base: str, dsn: str) -> None:
     failed = pay(base, "k", "i", "fail500")
     assert failed.status_code == 500 and "idempotent-replayed" not in failed.headers
-    assert ledger(dsn, "i") == 0 and not has_key(dsn, "k")  # rolled back, released
+    assert ledger(dsn, "i") == 0 and key_state(dsn, "k") == "released"  # rolled back
     fresh(pay(base, "k", "i"))  # runs afresh
+    assert key_state(dsn, "k") == "completed" and ledger(dsn, "i") == 1
 
 
 def case_5xx_stored_when_asked(base: str, dsn: str) -> None:
@@ -408,19 +418,20 @@ def case_5xx_stored_when_asked(base: str, dsn: str) -> None:
 def case_5xx_stored_without_asking_for_the_operation(base: str, dsn: str) -> None:
     """store_server_errors needs no call of get_operation(): the handler does not run twice."""
     failed = pay(base, "k", "i", "bare500", path="/pay-store")
-    assert failed.status_code == 500 and has_key(dsn, "k")
+    assert failed.status_code == 500 and key_state(dsn, "k") == "completed"
     replayed(pay(base, "k", "i", "bare500", path="/pay-store"), failed)
 
 
 def case_handler_raises_before_its_write(base: str, dsn: str) -> None:
     assert pay(base, "k", "i", "raise_before").status_code == 500
-    assert not has_key(dsn, "k")
+    assert key_state(dsn, "k") == "released" and ledger(dsn, "i") == 0
     fresh(pay(base, "k", "i"))  # runs afresh
+    assert key_state(dsn, "k") == "completed" and ledger(dsn, "i") == 1
 
 
 def case_handler_raises_after_its_write(base: str, dsn: str) -> None:
     assert pay(base, "k", "i", "raise_after").status_code == 500
-    assert ledger(dsn, "i") == 0 and not has_key(dsn, "k")  # the write rolled back
+    assert ledger(dsn, "i") == 0 and key_state(dsn, "k") == "released"  # write rolled back
     fresh(pay(base, "k2", "i"))
     assert ledger(dsn, "i") == 1
 
@@ -434,7 +445,7 @@ def case_aborted_upload_claims_nothing(base: str, dsn: str) -> None:
         sock.settimeout(10)
         while sock.recv(4096):
             pass
-    assert not has_key(dsn, "k") and ledger(dsn, "i") == 0
+    assert key_state(dsn, "k") is None and ledger(dsn, "i") == 0
     fresh(pay(base, "k", "i"))  # the whole body: the first attempt
 
 
