@@ -234,6 +234,16 @@ class AbandonedKey:
                    row["recovery_point"], row["attempts"], load_time(row["created_at"]))
 
 
+#: psycopg's ``prepare`` for every statement the package sends: never a named server-side
+#: prepared statement, whatever the connection's ``prepare_threshold``. Behind a
+#: transaction-mode pooler (pgbouncer) the server connection changes between transactions, so
+#: a name prepared by one client can be executed by another: in issue 13 one client's
+#: heartbeat() ran another's prepared release() and deleted its key. Unnamed statements (Parse
+#: and Bind of "") live for one statement only. The cost is measured in docs/benchmarks.md
+#: (bench/prepare.py). Tests set it to None (psycopg's default) to show what it prevents.
+_PREPARE: bool | None = False
+
+
 # -- what the generators ask the drivers for -------------------------------------------------
 
 @dataclass(frozen=True)
@@ -290,7 +300,7 @@ def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
                 value = (conn.info.transaction_status, conn.autocommit)
             elif request is _Tx.BEGIN:
                 if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-                    conn.execute(Q.BEGIN)
+                    conn.execute(Q.BEGIN, prepare=_PREPARE)
                 value = None
             elif request is _Tx.COMMIT:
                 value = conn.commit()
@@ -311,15 +321,15 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
     with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
-            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-            conn.execute(Q.COMMIT)
+            cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+            conn.execute(Q.COMMIT, prepare=_PREPARE)
         elif q.commit and _PIPELINE:
             # one Sync for both: conn.commit() in a pipeline would send a second one
             with conn.pipeline():
-                cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                conn.execute(Q.COMMIT)
+                cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+                conn.execute(Q.COMMIT, prepare=_PREPARE)
         else:
-            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
             if q.commit:
                 conn.commit()
         return cur.fetchone() if q.fetch == "one" else cur.fetchall()
@@ -334,14 +344,14 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
             await conn.set_autocommit(False)
     async with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-            await conn.execute(Q.COMMIT)
+            await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+            await conn.execute(Q.COMMIT, prepare=_PREPARE)
         elif q.commit and _PIPELINE:
             async with conn.pipeline():
-                await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                await conn.execute(Q.COMMIT)
+                await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+                await conn.execute(Q.COMMIT, prepare=_PREPARE)
         else:
-            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
             if q.commit:
                 await conn.commit()
         return await (cur.fetchone() if q.fetch == "one" else cur.fetchall())
@@ -367,7 +377,7 @@ async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
                 value = (conn.info.transaction_status, conn.autocommit)
             elif request is _Tx.BEGIN:
                 if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-                    await conn.execute(Q.BEGIN)
+                    await conn.execute(Q.BEGIN, prepare=_PREPARE)
                 value = None
             elif request is _Tx.COMMIT:
                 value = await conn.commit()
