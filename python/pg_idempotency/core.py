@@ -14,7 +14,6 @@ caller's business transaction. Connections from ``psycopg_pool`` work as any oth
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import json
 import logging
@@ -42,7 +41,7 @@ from .errors import (
     UsageError,
     from_psycopg,
 )
-from .fingerprint import canonical_json, derive_key
+from .fingerprint import canonical_json, derive_key, key_hash
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -57,12 +56,6 @@ logger = logging.getLogger("pg_idempotency")
 # A library's logger: without it, an application that configures no logging would get the
 # WARNING lines (a mismatch, a lost lease) on stderr through logging.lastResort.
 logger.addHandler(logging.NullHandler())
-
-
-def key_hash(scope: str, key: str) -> str:
-    """The first 12 hex digits of sha256(scope NUL key): names a key in a log line without
-    revealing it (scope and key cannot contain NUL, IK013)."""
-    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:12]
 
 
 def _log(level: int, event: str, scope: str, key: str, *, exc_info: bool = False,

@@ -29,6 +29,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from .fingerprint import key_hash
+
 try:
     from opentelemetry import metrics as _metrics
     from opentelemetry import trace as _trace
@@ -100,8 +102,6 @@ def end(obs: Observation | None, outcome: str, *, attempts: int | None = None,
     _duration.record(elapsed, attributes)
     span = obs.span
     if span.is_recording():
-        from .core import key_hash  # here, not at the top: core imports this module
-
         span.set_attributes(attributes)
         span.set_attribute("pg_idempotency.key_hash", key_hash(obs.scope, obs.key))
         span.set_attribute("db.system.name", "postgresql")
