@@ -9,13 +9,15 @@ pipeline), one connection with psycopg's default ``prepare_threshold`` (5), two 
               prepared statements after 5 executions (what 0.8.0 did, unsafe behind
               transaction-mode pgbouncer)
 
-Each side has a connection of its own, open throughout; short rounds alternate between them
-(the order alternates too), so machine noise hits both alike; the result is each round's
-ratio unprepared / prepared in claim+complete per second, and the median and quartiles of the
-ratios. A benchmark, not a test: it prints numbers and asserts nothing.
+Each side has a connection of its own, open throughout, and the two take turns call by call
+(the order alternates too), so machine noise hits both alike (on a shared machine, rounds of
+seconds a side gave ratios from 0.5 to 1.3). A round is --pairs calls a side; the result is
+each round's ratio unprepared / prepared in claim+complete per second (the time spent by the
+prepared side over the unprepared side's), and the median and quartiles of the ratios. A
+benchmark, not a test: it prints numbers and asserts nothing.
 
     .venv/bin/python bench/prepare.py [--servers pg18] [--modes fast,durable]
-                                      [--seconds 0.5] [--rounds 60]
+                                      [--pairs 100] [--rounds 30]
 
 Modes: "durable" is PostgreSQL's default (fsync, synchronous_commit, full_page_writes on);
 "fast" turns them off, which makes the loop CPU-bound and shows parse and plan at their most
@@ -44,18 +46,14 @@ from pg_idempotency.migrate import migrate  # noqa: E402
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
 
-def block(conn: psycopg.Connection, prepared: bool, seconds: float) -> float:
-    """claim + complete per second on ``conn`` for ``seconds``, preparing or not."""
+def one(conn: psycopg.Connection, prepared: bool, key: str) -> float:
+    """Seconds for one claim + complete on ``conn``, preparing or not."""
     core._PREPARE = None if prepared else False
     try:
-        tag = uuid.uuid4().hex[:8]
-        n = 0
         t0 = time.perf_counter()
-        while time.perf_counter() - t0 < seconds:
-            with idem.operation(conn, "bench", f"{tag}-{n}", {"n": n, "amount": "12.50"}) as op:
-                op.complete(201, {"id": n})
-            n += 1
-        return n / (time.perf_counter() - t0)
+        with idem.operation(conn, "bench", key, {"key": key, "amount": "12.50"}) as op:
+            op.complete(201, {"id": key})
+        return time.perf_counter() - t0
     finally:
         core._PREPARE = False
 
@@ -74,15 +72,19 @@ def run(flavour: str, mode: str, args: argparse.Namespace) -> dict:
         with psycopg.connect(dsn, autocommit=True) as plain, \
                 psycopg.connect(dsn, autocommit=True) as preparing:
             assert plain.prepare_threshold == preparing.prepare_threshold == 5
-            block(plain, False, 1)
-            block(preparing, True, 1)  # past the threshold, and warm caches
+            tag = uuid.uuid4().hex[:8]
+            for n in range(20):  # past the threshold, and warm caches
+                one(plain, False, f"{tag}-w{n}")
+                one(preparing, True, f"{tag}-W{n}")
             ratios, rates = [], {False: [], True: []}
             for i in range(args.rounds):
-                order = (False, True) if i % 2 == 0 else (True, False)
-                got = {p: block(preparing if p else plain, p, args.seconds) for p in order}
-                for p in got:
-                    rates[p].append(got[p])
-                ratios.append(got[False] / got[True])
+                spent = {False: 0.0, True: 0.0}
+                for n in range(args.pairs):  # one call each, alternating, the order too
+                    for p in ((False, True) if n % 2 == 0 else (True, False)):
+                        spent[p] += one(preparing if p else plain, p, f"{tag}-{i}-{n}-{p:d}")
+                for p in spent:
+                    rates[p].append(args.pairs / spent[p])
+                ratios.append(spent[True] / spent[False])  # = rate unprepared / rate prepared
             counted = "SELECT count(*) FROM pg_prepared_statements"
             assert plain.execute(counted, prepare=False).fetchone()[0] == 0
             assert preparing.execute(counted, prepare=False).fetchone()[0] >= 2
@@ -102,12 +104,12 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--servers", default="pg18")
     parser.add_argument("--modes", default="fast,durable")
-    parser.add_argument("--seconds", type=float, default=0.5)
-    parser.add_argument("--rounds", type=int, default=60)
+    parser.add_argument("--pairs", type=int, default=100)
+    parser.add_argument("--rounds", type=int, default=30)
     args = parser.parse_args()
     results = [run(f, m, args) for f in args.servers.split(",") for m in args.modes.split(",")]
     print(f"\nclaim+complete per second, unprepared / prepared, one connection each, "
-          f"{args.rounds} interleaved rounds of {args.seconds}s a side:")
+          f"{args.rounds} rounds of {args.pairs} alternating calls a side:")
     for r in results:
         print(f"  PostgreSQL {r['version']:<6s} {r['mode']:8s} median {r['median']:.3f} "
               f"(quartiles {r['q1']:.3f}-{r['q3']:.3f})")
