@@ -29,7 +29,7 @@ from typing import Any
 from .errors import InvalidArgument, invalid_argument
 
 __all__ = ["InvalidArgument", "canonical_json", "derive_key", "describe_request", "fingerprint",
-           "loads"]
+           "key_hash", "loads"]
 
 # numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
 # the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
@@ -190,6 +190,13 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
         request = merged
     text = _canonical(request, fn, "request")
     return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def key_hash(scope: str, key: str) -> str:
+    """The first 12 hex digits of sha256(scope NUL key): names a key in a log line or a span
+    without revealing it (scope and key cannot contain NUL, IK013). Also
+    ``pg_idempotency.core.key_hash``; docs/python.md ("OpenTelemetry") says why this hash."""
+    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:12]
 
 
 def derive_key(scope: str, key: str, step: str) -> str:

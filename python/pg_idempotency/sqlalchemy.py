@@ -156,7 +156,7 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
             if isinstance(request, core._Query):
                 raw = _psycopg(session.connection().connection.driver_connection)
                 with raw.cursor(row_factory=dict_row) as cur:
-                    cur.execute(request.sql, request.params)
+                    cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
                 if request.commit:  # complete(): the ORM's writes commit with it
                     with _allowing(guard):
@@ -194,7 +194,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
                 conn = await session.connection()
                 raw = _psycopg((await conn.get_raw_connection()).driver_connection)
                 async with raw.cursor(row_factory=dict_row) as cur:
-                    await cur.execute(request.sql, request.params)
+                    await cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
                 if request.commit:
                     with _allowing(guard):

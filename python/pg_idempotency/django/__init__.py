@@ -41,7 +41,7 @@ from django.utils.module_loading import import_string
 from .. import api
 from .. import contract as http
 from ..contract import DEFAULT_REPLAY_HEADERS, Answer
-from ..core import DEFAULT_LEASE, ClaimResult, Outcome, key_hash
+from ..core import DEFAULT_LEASE, ClaimResult, Outcome, _log
 from ..errors import AlreadyCompleted, KeyNotFound, LeaseLost
 from ..fingerprint import derive_key
 
@@ -180,7 +180,6 @@ def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Confi
     digest = http.request_fingerprint(s, method, path, request.META.get("QUERY_STRING", ""),
                                       request.META.get("CONTENT_TYPE", ""), body)
     connection, conn, test_mode = _raw_connection(conf.using)
-    hashed = key_hash(scope, key)  # the same name the core's log lines use
 
     def claim() -> ClaimResult:
         if test_mode:
@@ -188,18 +187,17 @@ def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Confi
                 result = _claim(conn, scope, key, digest, s.lease_seconds)
         else:
             result = _claim(conn, scope, key, digest, s.lease_seconds)
-        log.info("pg_idempotency %s key=%s", result.outcome.value, hashed)
-        return result
+        return result  # logged by the core's claim, as every event of the API
 
     claimed = http.claim_waiting(s, claim)
     if isinstance(claimed, Answer):
         return _response(claimed)
-    return _execute(request, view, conf, connection, conn, scope, key, claimed, hashed)
+    return _execute(request, view, conf, connection, conn, scope, key, claimed)
 
 
 def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
-             connection: Any, conn: Any, scope: str, key: str, claim: ClaimResult,
-             hashed: str) -> HttpResponse:
+             connection: Any, conn: Any, scope: str, key: str, claim: ClaimResult
+             ) -> HttpResponse:
     state = Idempotency(scope, key, claim)
     setattr(request, REQUEST_ATTR, state)
     token = claim.lease_token
@@ -221,37 +219,36 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
             completed = True
     except _OWNED_KEY_GONE:
         # Taken over while we ran: the atomic block (our writes) rolled back; the new
-        # holder's answer is the one that counts.
-        log.warning("pg_idempotency lease_lost key=%s", hashed)
+        # holder's answer is the one that counts. (The core logged lease_lost.)
         return _response(http.taken_over())
     except BaseException as exc:
         if not completed:
-            _release_after_failure(connection, conn, conf, state, token, hashed)
+            _release_after_failure(connection, conn, conf, state, token)
         if isinstance(exc, _Rollback) and failed_response is not None:
             return failed_response
         raise
-    log.info("pg_idempotency completed key=%s", hashed)
     return response
 
 
 def _release_after_failure(connection: Any, conn: Any, conf: _Config, state: Idempotency,
-                           token: int, hashed: str) -> None:
+                           token: int) -> None:
     """The view failed before complete(): its writes are rolled back. Release the key for a
     fresh retry unless a side effect may have happened (then it stays in progress and the next
     retry after the lease resumes)."""
     if state.side_effects:
-        log.info("pg_idempotency kept_in_progress key=%s", hashed)
+        if log.isEnabledFor(logging.INFO):
+            _log(logging.INFO, "kept", state.scope, state.key, reason="exception")
         return
     try:
         if connection.in_atomic_block:  # test mode: a savepoint of the TestCase's transaction
             with transaction.atomic(using=conf.using):
                 api.release(conn, state.scope, state.key, token)
         else:
-            api.release(conn, state.scope, state.key, token)
-        log.info("pg_idempotency released key=%s", hashed)
+            api.release(conn, state.scope, state.key, token)  # the core logs the release
     except Exception:  # noqa: BLE001 - the view's error is the one to report
         # An unreleased key only costs the client a wait for the lease to expire.
-        log.warning("pg_idempotency release_failed key=%s", hashed, exc_info=True)
+        if log.isEnabledFor(logging.WARNING):
+            _log(logging.WARNING, "release_failed", state.scope, state.key, exc_info=True)
 
 
 def idempotent(view: Callable[..., HttpResponse] | None = None, *,
