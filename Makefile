@@ -1,14 +1,18 @@
 # pg_idempotency: build, lint and test.
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
-#                build, node-postgres for the conformance runner), then lint, then pytest
+#                build, node-postgres for the conformance runner, Citus built from
+#                ../shared/citus/ into both servers, cached in build/citus/), then lint,
+#                then pytest
 #                on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
 #                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
-#                bench/retention.py); results in docs/benchmarks.md
+#                bench/retention.py, bench/citus.py); results in docs/benchmarks.md.
+#                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
+#                (it prints the commands when it is missing)
 #   make clean   remove .venv, build/ and caches
 
 SHELL := /bin/bash
@@ -16,7 +20,9 @@ SHELL := /bin/bash
 .DEFAULT_GOAL := test
 .DELETE_ON_ERROR:
 
-PYTHON ?= python3
+# Debian's python: the test user must be able to run the venv's interpreter (a pyenv one
+# under /root is not readable by other users).
+PYTHON ?= $(if $(wildcard /usr/bin/python3),/usr/bin/python3,python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -28,6 +34,11 @@ DEB_PKGS    += openjdk-17-jdk-headless libpostgresql-jdbc-java \
                golang-go golang-github-lib-pq-dev ruby ruby-pg
 DEB_EXT_DIR := /usr/share/postgresql/15/extension
 SUDO        := $(if $(filter 0,$(shell id -u)),,sudo)
+# Lint and pytest run as an unprivileged user: as root, TEST_USER (created when missing),
+# with HOME under build/; otherwise the invoking user.
+TEST_USER   ?= pgidem
+AS_TEST_USER := $(if $(SUDO),,runuser -u $(TEST_USER) -- env HOME=$(CURDIR)/build/home \
+                  PATH=/usr/local/bin:/usr/bin:/bin)
 
 # What goes into the wheel (directories too, so adding or deleting a file counts).
 WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
@@ -44,13 +55,20 @@ PYTEST_ARGS    ?=
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test run setup deb-deps node-deps pgtap-pg18 build-ext lint bench clean
+.PHONY: test run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus test-user \
+        lint bench clean
 
 test: setup
-	@$(MAKE) --no-print-directory lint
-	$(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	@$(AS_TEST_USER) $(MAKE) --no-print-directory lint
+	$(AS_TEST_USER) $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-setup: deb-deps $(STAMP) pgtap-pg18 build-ext node-deps
+setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus test-user
+
+# A venv made by another interpreter (one the test user cannot run) is made again.
+venv-python:
+	@if [ -f $(VENV)/pyvenv.cfg ] && ! grep -qx "executable = $$(readlink -f $(PYTHON))" \
+	    $(VENV)/pyvenv.cfg; then echo "$(VENV) is not from $(PYTHON): made again"; \
+	  rm -rf $(VENV); fi
 
 # Only touches apt when a package is missing, so a second run costs three dpkg calls.
 deb-deps:
@@ -91,9 +109,35 @@ pgtap-pg18: $(STAMP)
 build-ext: $(STAMP)
 	$(PY) tools/build.py
 
+# Citus 14.0.1 into the wheel's PG 18, 13.2.2 into Debian's PG 15, from ../shared/citus/.
+# Builds only on a cache miss (build/citus/, keyed on tag, server version and compiler);
+# its build packages are installed only when missing. No sources: a loud warning here, and
+# the Citus tests fail.
+citus: deb-deps $(STAMP)
+	@$(PY) tools/build_citus.py
+
+# What the unprivileged test user needs (root's part; the only root-only step after the
+# builds): every directory above the clone traversable and the clone readable, build/ and
+# .data/ (what tests write: compiled runners, caches, HOME) its own, and the two extension
+# directories the tests copy build/extension/ into group-writable for it.
+PG18_EXT_DIR = $$($(PY) -c '$(PG18_EXT_DIR_PY)')
+test-user: $(STAMP)
+	@if [ -z "$(SUDO)" ]; then \
+	  id -u $(TEST_USER) >/dev/null 2>&1 || useradd --system --no-create-home \
+	    --home-dir /nonexistent --shell /usr/sbin/nologin --user-group $(TEST_USER); \
+	  d="$(CURDIR)"; while [ "$$d" != / ]; do \
+	    $(AS_TEST_USER) test -x "$$d" || { echo "chmod o+x $$d (for $(TEST_USER))"; chmod o+x "$$d"; }; \
+	    d=$$(dirname "$$d"); done; \
+	  $(AS_TEST_USER) test -r Makefile -a -x $(PY) || { echo "chmod -R a+rX $(CURDIR)"; chmod -R a+rX .; }; \
+	  mkdir -p build/home .data; chown -R $(TEST_USER): build .data; \
+	fi
+	@for d in $(DEB_EXT_DIR) "$(PG18_EXT_DIR)"; do \
+	  $(AS_TEST_USER) test -w "$$d" || { $(SUDO) chgrp "$$($(AS_TEST_USER) id -g)" "$$d"; \
+	    $(SUDO) chmod g+w "$$d"; }; done
+
 lint: $(STAMP)
 	$(PY) tools/build.py --check > /dev/null
-	$(VENV)/bin/ruff check -q $(RUFF_PATHS)
+	$(VENV)/bin/ruff check -q --no-cache $(RUFF_PATHS)
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
 run: $(STAMP)
@@ -101,10 +145,13 @@ run: $(STAMP)
 
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
-	$(PY) bench/run.py
-	$(PY) bench/partitions.py
-	$(PY) bench/http.py
-	$(PY) bench/retention.py
+	$(AS_TEST_USER) $(PY) bench/run.py
+	@# the plot is written where the test user may write, then put in docs/
+	$(AS_TEST_USER) $(PY) bench/partitions.py --plot build/benchmarks-partitions.png
+	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
+	$(AS_TEST_USER) $(PY) bench/http.py
+	$(AS_TEST_USER) $(PY) bench/retention.py
+	$(AS_TEST_USER) $(PY) bench/citus.py
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log

@@ -20,12 +20,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
+from citus_cluster import CitusCluster
 from pgharness import HarnessError, PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_EXT = ROOT / "build" / "extension"
 MIGRATIONS = ROOT / "migrations"
 FLAVOURS = ["pg15", "pg18"]
+# Citus 14.0.1 on the wheel's PG 18, Citus 13.2.2 on Debian's PG 15 (tools/build_citus.py).
+CITUS_FLAVOURS = ["pg18", "pg15"]
 TEMPLATE_DB = "idem_template"
 # One transaction per file, stop at the first error: psql -X -1 -v ON_ERROR_STOP=1 -f FILE.
 MIGRATION_PSQL_ARGS = ("-X", "-1", "-v", "ON_ERROR_STOP=1")
@@ -174,6 +177,28 @@ def db(server: PgServer, template_dsn: str, server_pool: ServerPool) -> Iterator
 def empty_db(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
     """DSN of a brand-new empty database, dropped afterwards."""
     yield from _scratch_db(server, server_pool.new_db_name("e"), None)
+
+
+@pytest.fixture(scope="session", params=CITUS_FLAVOURS, ids=[f"citus-{f}" for f in CITUS_FLAVOURS])
+def citus_cluster(request: pytest.FixtureRequest) -> Iterator[CitusCluster]:
+    """A started coordinator + 2 workers (:class:`citus_cluster.CitusCluster`), once per
+    flavour; a missing Citus build fails every test that uses it."""
+    cluster = CitusCluster(request.param)
+    try:
+        yield cluster.start()
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def citus_db(citus_cluster: CitusCluster, server_pool: ServerPool) -> Iterator[str]:
+    """Coordinator DSN of a fresh database with citus on every node and the workers
+    registered; dropped on all nodes afterwards."""
+    name = server_pool.new_db_name("c")
+    try:
+        yield citus_cluster.create_database(name)
+    finally:
+        citus_cluster.drop_database(name)
 
 
 @pytest.fixture

@@ -123,8 +123,8 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
     assert len(documented) == 16, documented
     # IK021 (distribute() without Citus) and IK022 (distribute() on a Citus worker) belong to the
     # install, not to the lifecycle: no scenario can raise either one both on a single server and
-    # through a Citus coordinator. IK021 is raised by distribute() without Citus (wip/test_citus.py
-    # and tests/test_install.py on a single server).
+    # through a Citus coordinator. tests/test_citus.py raises both (distribute() on a
+    # database without the extension, and on a worker); tests/test_install.py raises IK021.
     install_only = {"IK021", "IK022"}
     assert install_only <= documented, documented
     assert documented - install_only <= codes, (

@@ -489,3 +489,39 @@ def test_worker_process_killed_after_commit(app_db: str) -> None:
     retry = post(Client(), "kx")
     assert retry.status_code == 201 and retry.headers["Idempotent-Replayed"] == "true"
     assert counts() == (1, 2, 1)
+
+
+# -- on a Citus cluster (tests/citus_cluster.py): Django's migrations on the coordinator, then
+# idempotency.distribute(); the example's own tables stay plain tables on the coordinator, so
+# the view's write and the completion on a worker commit together by two-phase commit.
+
+@pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
+def citus_app_db(request: pytest.FixtureRequest, citus_db: str) -> Iterator[str]:
+    migrated = _migrated(citus_db, request.param)
+    dsn = next(migrated)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        assert conn.execute("SELECT count(*) FROM pg_dist_partition WHERE logicalrelid"
+                            " = 'idempotency.keys'::regclass").fetchone() == (1,)
+    yield dsn
+    migrated.close()
+
+
+def _keys_on_workers(dsn: str) -> int:
+    """Keys of the distributed table as the coordinator sees them (they live on workers)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute("SELECT count(*) FROM idempotency.keys").fetchone()[0]
+
+
+def test_citus_replay_and_contract(citus_app_db: str) -> None:
+    test_replay_is_byte_identical_and_contract(citus_app_db)
+    assert _keys_on_workers(citus_app_db) == 2
+
+
+def test_citus_eight_concurrent_requests_over_http(citus_app_db: str) -> None:
+    test_eight_concurrent_requests_over_http(citus_app_db)
+    assert _keys_on_workers(citus_app_db) == 1
+
+
+def test_citus_lease_takeover_fences_the_old_worker(citus_app_db: str, monkeypatch: Any) -> None:
+    test_lease_takeover_fences_the_old_worker(citus_app_db, monkeypatch)

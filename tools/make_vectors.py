@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """Generate tests/vectors/fingerprint.json from the database: the SQL functions are the reference.
 
-    tools/make_vectors.py                 start a throwaway PostgreSQL 15 (tests/pgharness.py),
-                                          install migrations/ with psql, generate, stop it
+    tools/make_vectors.py                 start a throwaway PostgreSQL 15 (tests/pgharness.py;
+                                          not as root: runuser -u pgidem -- ...), install
+                                          migrations/ with psql, generate, stop it
     tools/make_vectors.py --dsn DSN       use a database where the idempotency schema is
                                           installed (pg-idempotency migrate --dsn DSN)
     tools/make_vectors.py --check [...]   fail if the committed file differs from what the

@@ -176,6 +176,17 @@ def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
             conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(db)))
 
 
+def test_distribute_on_a_worker_says_so(citus: Cluster) -> None:
+    """A worker holds the functions too (distribute() creates them on every node), but only
+    the coordinator may distribute: IK022 there, and the worker's metadata is unchanged."""
+    for dsn in citus.worker_dsns():
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            before = conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone()
+        assert _sqlstate(dsn, "SELECT idempotency.distribute()") == "IK022"
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone() == before
+
+
 # -- uniqueness ------------------------------------------------------------------------------
 
 MODES = ["delegated", "subquery", "transaction", "worker"]
@@ -251,9 +262,11 @@ def test_tokens_grow_with_every_owner_and_stale_owners_are_refused(citus: Cluste
     release and a new claim: each owner's token is greater than every earlier one, and every
     earlier owner's fenced call is refused with IK001."""
     scope, key = _scope(), "pay-1"
+    tokens = [_claim(citus.dsn, scope, key, lease="1 second")[1]]
+    # The test clock starts after the first claim has returned, so that its 1-second lease has
+    # expired at ref(2) however long the claim took on a loaded machine.
     t0 = time.time()
     ref = lambda s: f"{time.strftime('%Y-%m-%d %H:%M:%S', time.gmtime(t0 + s))}+00"  # noqa: E731
-    tokens = [_claim(citus.dsn, scope, key, lease="1 second")[1]]
     takeover_dsns = [citus.dsn, citus.dsn, *citus.worker_dsns()]
     for i, dsn in enumerate(takeover_dsns, start=1):
         with psycopg.connect(dsn, autocommit=True) as conn:

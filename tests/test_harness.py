@@ -1,0 +1,90 @@
+"""The harness leaves nothing behind: no server or pgbouncer outlives an interrupted pytest.
+
+A child pytest starts a PG 15 and a PG 18 server and a pgbouncer, reports their process ids
+and sleeps; it is then interrupted as a user (Ctrl-C), CI (SIGTERM on timeout) or the OOM
+killer (SIGKILL) would, and within a few seconds none of those processes may be alive.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import pgharness
+
+TESTS = Path(__file__).resolve().parent
+
+CHILD = textwrap.dedent("""
+    import json, os, time
+    from pathlib import Path
+    from pgharness import PgBouncer, PgServer, flavour_bindir
+
+    def children(pid):
+        found = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(stat.parent.name))
+        return found
+
+    def test_sleep_with_servers():
+        servers = [PgServer(flavour_bindir(f), name=f).start() for f in ("pg15", "pg18")]
+        bouncer = PgBouncer(servers[0]).start()
+        pids = [bouncer._proc.pid]
+        for srv in servers:
+            pids += [srv._pg.child_process.pid, *children(srv._pg.child_process.pid)]
+        Path(os.environ["PIDS_FILE"]).write_text(json.dumps(pids))
+        time.sleep(600)
+""")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM, signal.SIGINT],
+                         ids=["SIGKILL", "SIGTERM", "SIGINT"])
+def test_no_server_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Signals) -> None:
+    (tmp_path / "test_child.py").write_text(CHILD)
+    pids_file = tmp_path / "pids.json"
+    env = {**os.environ, "PYTHONPATH": str(TESTS), "PIDS_FILE": str(pids_file)}
+    child = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_child.py"],
+        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 180
+        while not pids_file.exists() and child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pids_file.exists(), child.communicate(timeout=30)[0].decode(errors="replace")
+        time.sleep(0.2)  # the file is written in one call; let it land
+        pids = json.loads(pids_file.read_text())
+        assert len(pids) >= 5 and all(_alive(p) for p in pids)  # bouncer, postmasters, children
+        child.send_signal(sig)
+        child.wait(60)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert [p for p in pids if _alive(p)] == []
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    process_dir = Path(pgharness.tempfile.gettempdir()) / f"pgharness-{child.pid}"
+    pgharness.sweep()
+    assert not process_dir.exists()
