@@ -8,6 +8,7 @@ the hooks are no-ops (a subprocess that cannot import it)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import subprocess
 import sys
@@ -218,13 +219,18 @@ def test_django_requests_get_spans_for_free(empty_db: str, spans: Any) -> None:
 
 
 @pytest.mark.parametrize("adapter", ["asgi", "django", "flask", "wsgi"])
-def test_every_http_adapter_gets_the_same_spans(db: str, spans: Any, adapter: str) -> None:
+def test_every_http_adapter_gets_the_same_spans_and_log_lines(
+        db: str, spans: Any, adapter: str, caplog: pytest.LogCaptureFixture) -> None:
     """The adapters of pg_idempotency.contract call the core and nothing else: over real HTTP,
     each keyed request is a claim span (claimed, replay, mismatch) and then a complete or a
     release span, the same behind every adapter; a stale attempt's complete after a takeover
-    is lease_lost with IK001 (engine 0.9.0), answered 409."""
+    is lease_lost with IK001 (engine 0.9.0), answered 409. The log has one line per event
+    (test_logging.py's shape), the same behind every adapter: only the reason of a release
+    after a 5xx that is not stored differs (Django calls release() itself: reason=release; the
+    others leave operation()'s block with the error: reason=exception)."""
     from test_http_adapters import LEASE, pay, serve, until_claimed
 
+    caplog.set_level(logging.INFO, logger="pg_idempotency")
     with serve(adapter, db) as base:
         first = pay(base, KEY, BODY)
         assert first.status_code == 201
@@ -261,6 +267,24 @@ def test_every_http_adapter_gets_the_same_spans(db: str, spans: Any, adapter: st
         key_hash("acct", "k-stale")}
     assert {s.kind for s in got} == {trace.SpanKind.CLIENT}
     assert_nothing_secret(got)
+
+    h, h500, hs = (key_hash("acct", k) for k in (KEY, "k500", "k-stale"))
+    reason = "release" if adapter == "django" else "exception"
+    logged = [(r.levelname, r.getMessage()) for r in caplog.records
+              if r.name == "pg_idempotency"]
+    assert logged == [
+        ("INFO", f"claim key={h} outcome=claimed attempts=1"),
+        ("INFO", f"complete key={h} status=201"),
+        ("INFO", f"claim key={h} outcome=replay attempts=1"),
+        ("WARNING", f"claim key={h} outcome=mismatch"),
+        ("INFO", f"claim key={h500} outcome=claimed attempts=1"),
+        ("INFO", f"release key={h500} reason={reason}"),
+        ("INFO", f"claim key={hs} outcome=claimed attempts=1"),
+        ("INFO", f"claim key={hs} outcome=resumed attempts=2"),
+        ("WARNING", f"lease_lost key={hs} call=complete sqlstate=IK001"),
+        ("INFO", f"complete key={hs} status=201"),
+    ], caplog.text
+    assert KEY not in caplog.text and BODY not in caplog.text
 
 
 NO_OTEL_APP = textwrap.dedent("""
