@@ -121,7 +121,8 @@ async def test_the_first_202_is_the_stored_one(db: str) -> None:
 
     inner = Starlette(routes=[Route("/jobs", accept, methods=["POST"])])
     async with AsyncConnectionPool(db, min_size=1, max_size=2, open=False) as pool:
-        app = IdempotencyMiddleware(inner, pool=pool, scope=lambda request: "acct")
+        app = IdempotencyMiddleware(inner, pool=pool, scope=lambda request: "acct",
+                                    routes={"POST /jobs": "required"})
         async with asgi_client(app) as client:
             answers = [await client.post("/jobs", json={"n": 1},
                                          headers={"Idempotency-Key": "j1"}) for _ in range(3)]

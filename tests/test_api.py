@@ -131,7 +131,7 @@ async def test_every_outcome(flavour: Any, db: str) -> None:
     replay = await call(api.claim(conn, "acct", "k1", req, reference_time=later))
     assert replay.outcome is idem.Outcome.REPLAY and not replay.outcome.owned
     assert replay.response == idem.StoredResponse(
-        status=201, headers={"Location": "/charges/1"}, body={"id": 1}, body_bytes=None,
+        status=201, headers={"Location": "/charges/1"}, body={"id": 1}, body_bytes=b'{"id":1}',
         content_type="application/json", completed_at=done)
     assert replay.response.content == b'{"id":1}'
 

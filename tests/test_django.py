@@ -188,7 +188,7 @@ def test_conflict_has_a_small_retry_after(app_db: str, monkeypatch: Any) -> None
         go.set()
         assert first.result().status_code == 201
     assert busy.status_code == 409
-    assert busy.headers["Retry-After"] == "1"  # not the 30 s lease
+    assert busy.headers["Retry-After"] == "2"  # retry_after_max (2), not the 30 s lease
     assert counts() == (1, 2, 1)
 
 
@@ -223,7 +223,7 @@ def test_under_database_settings_psycopg_cannot_parse(plain_db: str, monkeypatch
     first = post(Client(), "k1")
     assert first.status_code == 201, first.content
     assert seen["datestyle"] == ("SQL, DMY",)
-    assert seen["retry"].status_code == 409 and seen["retry"].headers["Retry-After"] == "1"
+    assert seen["retry"].status_code == 409 and seen["retry"].headers["Retry-After"] == "2"
     assert seen["lease"] == (timedelta(seconds=30),)
     replay = post(Client(), "k1")
     assert replay.status_code == 201 and replay.headers["Idempotent-Replayed"] == "true"

@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import subprocess
+import sys
+import textwrap
 from datetime import datetime, timedelta, timezone
 
 import psycopg
@@ -57,11 +61,12 @@ def test_one_line_per_event_with_a_hash_and_no_raw_key_or_body(
             with idem.operation(conn, "pay", "l1", request, reference_time=later):
                 pass
     got = lines(caplog)
-    assert got[:3] == [f"claim key={h} outcome=claimed attempts=1",
+    assert got[:4] == [f"claim key={h} outcome=claimed attempts=1",
+                       f"complete key={h} status=201",
                        f"claim key={h} outcome=replay attempts=1",
                        f"claim key={h} outcome=mismatch"], got
     r1, r2, l1 = key_hash("pay", "r1"), key_hash("pay", "r2"), key_hash("pay", "l1")
-    assert got[3:] == [
+    assert got[4:] == [
         f"claim key={r1} outcome=claimed attempts=1",
         f"release key={r1} reason=release()",
         f"claim key={r2} outcome=claimed attempts=1",
@@ -91,3 +96,50 @@ def test_a_disabled_logger_formats_nothing(db: str, caplog: pytest.LogCaptureFix
         with idem.operation(conn, "pay", "quiet", {}) as op:
             op.complete(200, None)
     assert lines(caplog) == [] and calls == []
+
+
+QUIET_APP = textwrap.dedent("""
+    import os, sys
+    from datetime import datetime, timedelta, timezone
+    import psycopg
+    import pg_idempotency as idem
+    if sys.argv[1] == "without-nullhandler":  # the control: what 0.8.0 did
+        idem.core.logger.handlers.clear()
+    t0 = datetime.now(timezone.utc)
+    with psycopg.connect(os.environ["IDEM_DSN"], autocommit=True) as conn:
+        with idem.operation(conn, "quiet", "k1", {"a": 1}) as op:
+            op.complete(200, None)
+        try:  # a WARNING: mismatch
+            with idem.operation(conn, "quiet", "k1", {"a": 2}):
+                pass
+        except idem.KeyMismatch:
+            pass
+        stale = idem.claim(conn, "quiet", "k2", {}, lease=1, reference_time=t0)
+        later = t0 + timedelta(seconds=2)
+        idem.takeover(conn, "quiet", "k2", reference_time=later)
+        try:  # a WARNING: lease_lost
+            idem.complete(conn, "quiet", "k2", stale.lease_token, 200, reference_time=later)
+        except idem.LeaseLost:
+            pass
+    print("done")
+""")
+
+
+@pytest.mark.parametrize("variant", ["as shipped", "without-nullhandler"])
+def test_no_stderr_in_an_app_without_logging_configured(db: str, variant: str) -> None:
+    """The package's WARNING lines (mismatch, lease_lost) must not reach stderr through
+    logging.lastResort in an application that configured no logging: the package logger has
+    a NullHandler. The control run without it shows that this subprocess would print them."""
+    out = subprocess.run([sys.executable, "-c", QUIET_APP, variant], capture_output=True,
+                         text=True, timeout=120, env=dict(os.environ, IDEM_DSN=db))
+    assert out.returncode == 0 and out.stdout == "done\n", out
+    if variant == "as shipped":
+        assert out.stderr == ""
+    else:
+        assert "claim key=" in out.stderr and "lease_lost key=" in out.stderr, out.stderr
+
+
+def test_the_package_logger_has_a_null_handler() -> None:
+    handlers = logging.getLogger("pg_idempotency").handlers
+    assert any(isinstance(h, logging.NullHandler) for h in handlers)
+

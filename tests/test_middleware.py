@@ -21,8 +21,8 @@ from starlette.routing import Route
 
 from payments_helpers import ledger_rows, lifespan, payments, uvicorn_server
 from pg_idempotency import aio
-from pg_idempotency.asgi import IdempotencyMiddleware, Policy, _describe, get_operation
-from pg_idempotency.fingerprint import fingerprint
+from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation
+from pg_idempotency.contract import Settings, request_fingerprint
 
 pytestmark = pytest.mark.anyio
 
@@ -218,7 +218,7 @@ async def test_failures_release_or_keep_the_key(db: str) -> None:
     app = Starlette(routes=[Route("/w", write, methods=["POST", "GET"]),
                             Route("/opt", write, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=lambda r: "tenant",
-                       routes={"POST /w": Policy.REQUIRED})
+                       routes={"POST /w": Policy.REQUIRED, "POST /opt": Policy.OPTIONAL})
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     await pool.open()
     try:
@@ -284,7 +284,8 @@ def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], **options: 
     app = Starlette(routes=[Route("/n", note, methods=["POST"]),
                             Route("/plain", plain, methods=["POST"])])
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=lambda r: "tenant",
-                       routes={"POST /n": Policy.REQUIRED}, **options)
+                       routes={"POST /n": Policy.REQUIRED, "POST /plain": Policy.OPTIONAL},
+                       **options)
     return app
 
 
@@ -346,7 +347,7 @@ def test_aborted_upload_is_never_claimed(db: str) -> None:
 async def test_options_server_errors_query_retry_after(db: str) -> None:
     calls: list[Any] = []
     pool = AsyncConnectionPool(db, min_size=1, max_size=4, open=False)
-    stores = _notes_app(db, pool, calls, store_server_errors=True, fingerprint_query=False,
+    stores = _notes_app(db, pool, calls, store_server_errors=True, fingerprint_query=True,
                         retry_after_max=5)
     default = _notes_app(db, pool, calls)
     await pool.open()
@@ -361,12 +362,12 @@ async def test_options_server_errors_query_retry_after(db: str) -> None:
             assert first.status_code == 503 and "idempotent-replayed" not in first.headers
             replay = await send("s1", "five-oh-three", 503)
             assert replay.status_code == 503 and replay.headers["idempotent-replayed"] == "true"
-            # fingerprint_query=False: another query string is the same request
+            # fingerprint_query=True: another query string is another request
             assert (await send("q1", "query", query="?page=1")).status_code == 201
-            same = await send("q1", "query", query="?page=2")
-            assert same.status_code == 201 and same.headers["idempotent-replayed"] == "true"
+            other = await send("q1", "query", query="?page=2")
+            assert other.status_code == 422
         async with asgi_client(default) as client:
-            # the defaults: 5xx rolled back and released, the query string counts
+            # the defaults: 5xx rolled back and released, the query string does not count
             failed = await client.post("/n", json={"note": "rolled-back", "status": 500},
                                        headers={"Idempotency-Key": "d1"})
             assert failed.status_code == 500
@@ -374,9 +375,9 @@ async def test_options_server_errors_query_retry_after(db: str) -> None:
                                    headers={"Idempotency-Key": "d1"})
             assert ok.status_code == 201 and "idempotent-replayed" not in ok.headers
             await client.post("/n?page=1", json={"note": "q2"}, headers={"Idempotency-Key": "q2"})
-            other = await client.post("/n?page=2", json={"note": "q2"},
-                                      headers={"Idempotency-Key": "q2"})
-            assert other.status_code == 422
+            same = await client.post("/n?page=2&utm=x", json={"note": "q2"},
+                                     headers={"Idempotency-Key": "q2"})
+            assert same.status_code == 201 and same.headers["idempotent-replayed"] == "true"
             # a handler that never asked for its operation: an error is taken for one that
             # came before it ran (released), a success is stored and replayed
             for _ in range(2):
@@ -404,11 +405,9 @@ async def test_retry_after_is_capped(db: str) -> None:
     try:
         async with await psycopg.AsyncConnection.connect(db) as holder:
             # another attempt holds the key (claimed with the default 30 s lease)
-            same_request = _describe({"method": "POST", "path": "/n", "query_string": b"",
-                                      "headers": [(b"content-type", b"application/json")]},
-                                     b'{"note": "x"}')
-            claimed = await aio.claim(holder, "tenant", "busy",
-                                      fingerprint=fingerprint(same_request))
+            same_request = request_fingerprint(Settings(), "POST", "/n", "", "application/json",
+                                               b'{"note": "x"}')
+            claimed = await aio.claim(holder, "tenant", "busy", fingerprint=same_request)
             await holder.commit()
             assert claimed.outcome.owned
         async with asgi_client(app) as client:

@@ -1,10 +1,13 @@
-"""Through a real pgbouncer (Debian's 1.18) in transaction mode, with the client settings
-docs/install.md ("Connection poolers") gives: psycopg with ``prepare_threshold=None``.
+"""Through a real pgbouncer (Debian's 1.18) in transaction mode, with psycopg's DEFAULT
+``prepare_threshold`` (5): the package never prepares its own statements (issue 23, item 8).
 
-Issue 13: with psycopg's default (server-side prepared statements after 5 executions), pooled
-server connections ran one client's prepared statement for another (a ``heartbeat()``
-executed someone's ``release()``), and 507 of 1,600 claims failed. Here the lifecycle walks
-cleanly and 32 clients racing for 50 keys get exactly one owner per key.
+Issue 13: when the package's statements were prepared (psycopg's default prepares a query after
+5 executions), pooled server connections ran one client's prepared statement for another (a
+``heartbeat()`` executed someone's ``release()``), and 507 of 1,600 claims failed. Here the
+lifecycle walks cleanly, and 32 clients racing through 4 server connections for 50 keys (claim,
+heartbeat, checkpoint, complete, and release of keys of their own) get exactly one owner per
+key and lose none; the same race with preparing switched back on (``core._PREPARE = None``,
+psycopg's default) fails, which shows that the race can tell.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import psycopg
 import pytest
 
 import pg_idempotency as idem
-from pg_idempotency import api
+from pg_idempotency import api, core
 from pg_idempotency.errors import KeyInProgress, KeyMismatch
 from pgharness import PgBouncer, PgServer
 
@@ -48,9 +51,10 @@ def bouncer_db(server: PgServer, db: str) -> Iterator[tuple[PgBouncer, str]]:
 
 
 def connect(bouncer: PgBouncer, dbname: str) -> psycopg.Connection[Any]:
-    """As docs/install.md says for pgbouncer's transaction mode."""
-    return psycopg.connect(bouncer.dsn(dbname, user=APP_ROLE), autocommit=True,
-                           prepare_threshold=None)
+    """psycopg's defaults: nothing set for the pooler."""
+    conn = psycopg.connect(bouncer.dsn(dbname, user=APP_ROLE), autocommit=True)
+    assert conn.prepare_threshold == 5  # psycopg's default: it would prepare our statements
+    return conn
 
 
 def server_backends(conn: psycopg.Connection[Any]) -> int:
@@ -108,9 +112,11 @@ def test_lifecycle_through_pgbouncer_transaction_mode(bouncer_db: tuple[PgBounce
         assert pools and pools[0][1] == APP_ROLE
 
 
-def test_32_clients_50_keys_one_owner_each_through_pgbouncer(
-        bouncer_db: tuple[PgBouncer, str], server: PgServer) -> None:
-    bouncer, dbname = bouncer_db
+def race(bouncer: PgBouncer, dbname: str) -> tuple[Counter[str], Counter[str], list[str]]:
+    """CLIENTS clients through the pooler, each walking all KEYS shared keys (claim; the owner
+    heartbeats, checkpoints and completes with a business row) and releasing a key of its own
+    after a heartbeat (which must stay released: nobody else's statement may delete or
+    resurrect it). Returns (claim outcomes, owners per key, errors)."""
     outcomes: Counter[str] = Counter()
     owners: Counter[str] = Counter()
     errors: list[str] = []
@@ -131,18 +137,36 @@ def test_32_clients_50_keys_one_owner_each_through_pgbouncer(
                             owners[key] += 1
                         api.heartbeat(conn, "race", key, r.lease_token, lease=30)
                         with conn.transaction():
-                            conn.execute("INSERT INTO public.orders VALUES (%s, 1)", (key,))
+                            api.checkpoint(conn, "race", key, r.lease_token, "charged")
+                        with conn.transaction():
+                            # The app's own statement: the package cannot keep psycopg from
+                            # preparing it after 5 runs, so it says so itself (install.md).
+                            conn.execute("INSERT INTO public.orders VALUES (%s, 1)", (key,),
+                                         prepare=False)
                             api.complete(conn, "race", key, r.lease_token, 200, {"k": key})
+                    if k % 10 == 0:  # a key of this client's own, released after a heartbeat
+                        own = f"own-{i}-{k}"
+                        mine = api.claim(conn, "own", own, {"k": own}, lease=30)
+                        assert mine.outcome == "claimed", (own, mine.outcome)
+                        api.heartbeat(conn, "own", own, mine.lease_token, lease=30)
+                        api.release(conn, "own", own, mine.lease_token)
         except Exception as exc:  # noqa: BLE001 - every failure is reported below
             with lock:
                 errors.append(f"client {i}: {type(exc).__name__}: {exc}")
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(CLIENTS)]
-    t0 = time.monotonic()
     for t in threads:
         t.start()
     for t in threads:
         t.join(120)
+    return outcomes, owners, errors
+
+
+def test_32_clients_50_keys_one_owner_each_through_pgbouncer(
+        bouncer_db: tuple[PgBouncer, str], server: PgServer) -> None:
+    bouncer, dbname = bouncer_db
+    t0 = time.monotonic()
+    outcomes, owners, errors = race(bouncer, dbname)
     elapsed = time.monotonic() - t0
     assert errors == [], errors[:5]
     assert sum(outcomes.values()) == CLIENTS * KEYS
@@ -151,8 +175,65 @@ def test_32_clients_50_keys_one_owner_each_through_pgbouncer(
     with psycopg.connect(server.dsn(dbname), autocommit=True) as conn:
         assert conn.execute("SELECT count(*), count(DISTINCT key) FROM public.orders"
                             ).fetchone() == (KEYS, KEYS)
+        # every shared key completed by its one owner, with the owner's checkpoint; no key lost
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'race' "
-                            "AND state = 'completed'").fetchone()[0] == KEYS
+                            "AND state = 'completed' AND recovery_point = 'charged'"
+                            ).fetchone()[0] == KEYS
+        # every released key stays released (engine 0.9.0 keeps the row for the next claim):
+        # no lease, no response, no recovery point, its directory row kept; nobody else's
+        # statement deleted or resurrected one, and nothing else is left in its scope
+        released = CLIENTS * len(range(0, KEYS, 10))
+        assert conn.execute(
+            "SELECT count(*), count(*) FILTER (WHERE k.state = 'released'"
+            " AND k.lease_expires_at IS NULL AND k.response_status IS NULL"
+            " AND k.recovery_point IS NULL AND d.created_at = k.created_at)"
+            " FROM idempotency.keys AS k LEFT JOIN idempotency.key_directory AS d"
+            "   ON d.scope = k.scope AND d.key_hash = sha256(convert_to(k.key, 'UTF8'))"
+            " WHERE k.scope = 'own'").fetchone() == (released, released)
         # 32 clients shared at most the pool's 4 server connections
         assert 0 < server_backends(conn) <= 4
     print(f"pgbouncer race: {CLIENTS} clients x {KEYS} keys in {elapsed:.2f}s, {dict(outcomes)}")
+
+
+def test_the_race_fails_when_preparing_is_switched_back_on(
+        bouncer_db: tuple[PgBouncer, str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control: psycopg's default preparing on the package's statements (what 0.8.0 did)
+    breaks the same race, so the test above would catch a statement that prepares again."""
+    bouncer, dbname = bouncer_db
+    monkeypatch.setattr(core, "_PREPARE", None)
+    outcomes, owners, errors = race(bouncer, dbname)
+    wrong = sorted(k for k, n in owners.items() if n != 1)
+    print(f"preparing on: {len(errors)} of {CLIENTS} clients failed, e.g. {errors[:2]}; "
+          f"keys with more than one owner: {wrong}")
+    assert errors or wrong, "the race passed with prepared statements: it cannot tell"
+
+
+def test_the_package_prepares_nothing_on_a_direct_connection(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a pooler, where prepared statements could be seen: after 3 x psycopg's
+    threshold of each call (and BEGIN/COMMIT), the session has no prepared statement; with
+    core._PREPARE = None it has them (so this count can tell)."""
+    def lifecycle(conn: psycopg.Connection[Any], n: int, tag: str) -> None:
+        for i in range(n):
+            with idem.operation(conn, "prep", f"{tag}-{i}", {"i": i}) as op:
+                op.checkpoint("half")
+                op.complete(200, {"i": i})
+            held = api.claim(conn, "prep", f"{tag}-h{i}", None, fingerprint=bytes(32))
+            api.heartbeat(conn, "prep", f"{tag}-h{i}", held.lease_token)
+            api.release(conn, "prep", f"{tag}-h{i}", held.lease_token)
+            if not conn.autocommit:
+                conn.commit()
+
+    prepared = "SELECT count(*) FROM pg_prepared_statements"
+    with psycopg.connect(db, autocommit=True) as conn:
+        assert conn.prepare_threshold == 5
+        lifecycle(conn, 15, "off")
+        assert conn.execute(prepared, prepare=False).fetchone()[0] == 0
+    with psycopg.connect(db) as conn:  # not autocommit: BEGIN/COMMIT of its own
+        lifecycle(conn, 15, "tx")
+        conn.rollback()
+        assert conn.execute(prepared, prepare=False).fetchone()[0] == 0
+    monkeypatch.setattr(core, "_PREPARE", None)
+    with psycopg.connect(db, autocommit=True) as conn:
+        lifecycle(conn, 15, "on")
+        assert conn.execute(prepared, prepare=False).fetchone()[0] >= 4

@@ -139,7 +139,7 @@ async def test_validation_error_is_not_stored(db: str) -> None:
 async def test_the_apps_usual_session_is_refused(db: str) -> None:
     """The unsafe pattern of issue 12: a handler writing with the app's usual session. Its
     commit raises ForeignCommitError, so the row never commits and the key is released."""
-    app = example.create_app(db)
+    app = example.create_app(db, keyed=("POST /payments", "POST /usual"))
     seen: list[str] = []
 
     @app.post("/usual")

@@ -72,8 +72,9 @@ def sqlalchemy_url(dsn: str) -> str:
     return "postgresql+psycopg://" + dsn.split("://", 1)[1]
 
 
-def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0, pool_size: int = 10
-               ) -> FastAPI:
+def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0, pool_size: int = 10,
+               keyed: tuple[str, ...] = ("POST /payments",)) -> FastAPI:
+    """``keyed``: the routes that require an Idempotency-Key (only named routes are keyed)."""
     pool = AsyncConnectionPool(dsn, min_size=1, max_size=pool_size, open=False)
     engine = create_async_engine(sqlalchemy_url(dsn), pool_size=2)  # the app's usual engine
     sessions = async_sessionmaker(engine, expire_on_commit=False)
@@ -92,7 +93,7 @@ def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0, pool_size: 
     app.state.faults = faults
     app.state.sessions = sessions
     app.add_middleware(IdempotencyMiddleware, pool=pool, scope=caller_account, wait=wait,
-                       lease=lease, routes={"POST /payments": Policy.REQUIRED})
+                       lease=lease, routes=dict.fromkeys(keyed, Policy.REQUIRED))
 
     @app.post("/payments", status_code=201)
     async def create_payment(payment: Payment, request: Request,

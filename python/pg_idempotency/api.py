@@ -90,6 +90,7 @@ def operation(conn: psycopg.Connection[Any], scope: str, key: str, request: Any 
     :class:`~pg_idempotency.errors.KeyMismatch` (422) or
     :class:`~pg_idempotency.errors.KeyInProgress` (409) on entry; ``op.replay`` is the stored
     response when the key was completed before. ``conn`` must be idle (no open transaction)."""
+    core.refuse_managed(conn)
     return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
                                    reference_time=reference_time), conn)
 

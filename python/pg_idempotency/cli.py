@@ -463,8 +463,10 @@ def _require_schema(conn: psycopg.Connection) -> None:
     """One line when the schema is missing or older than this package's migrations."""
     names = _bundled_names()
     try:
-        (present,) = conn.execute(queries.SCHEMA_INSTALLED).fetchone() or (False,)
-        installed = conn.execute(queries.SCHEMA_VERSION).fetchone()[0] if present else None
+        row = conn.execute(queries.SCHEMA_INSTALLED, prepare=False).fetchone()
+        present = row[0] if row else False
+        installed = (conn.execute(queries.SCHEMA_VERSION, prepare=False).fetchone()[0]
+                     if present else None)
     except psycopg.Error as exc:
         raise CliError(f"cannot read the idempotency schema: {_describe(exc)}") from None
     where = f"database {conn.info.dbname!r}"

@@ -14,11 +14,10 @@ caller's business transaction. Connections from ``psycopg_pool`` work as any oth
 from __future__ import annotations
 
 import functools
-import hashlib
 import inspect
 import json
 import logging
-from collections.abc import Awaitable, Callable, Generator, Mapping
+from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from decimal import Decimal
@@ -31,6 +30,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import queries as Q
+from . import telemetry
 from .errors import (
     AlreadyCompleted,
     KeyExpired,
@@ -42,7 +42,7 @@ from .errors import (
     from_psycopg,
     invalid_argument,
 )
-from .fingerprint import canonical_json, derive_key
+from .fingerprint import canonical_json, derive_key, key_hash
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -54,20 +54,19 @@ DEFAULT_LEASE = timedelta(seconds=30)
 #: never the raw key, a request or a body; every call is behind ``isEnabledFor``, so a
 #: disabled logger costs one cached level check per event.
 logger = logging.getLogger("pg_idempotency")
+# A library's logger: without it, an application that configures no logging would get the
+# WARNING lines (a mismatch, a lost lease) on stderr through logging.lastResort.
+logger.addHandler(logging.NullHandler())
 
 
-def key_hash(scope: str, key: str) -> str:
-    """The first 12 hex digits of sha256(scope NUL key): names a key in a log line without
-    revealing it (scope and key cannot contain NUL, IK013)."""
-    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:12]
-
-
-def _log(level: int, event: str, scope: str, key: str, **fields: Any) -> None:
-    """One line ``pg_idempotency <event> key=<hash> k=v ...``; call it behind
-    ``logger.isEnabledFor(level)``. The fields are also on the record (``record.idempotency``)."""
+def _log(level: int, event: str, scope: str, key: str, *, exc_info: bool = False,
+         **fields: Any) -> None:
+    """One line ``<event> key=<hash> k=v ...``; call it behind ``logger.isEnabledFor(level)``.
+    The fields are also on the record (``record.idempotency``). The adapters log their own
+    events (e.g. Django's ``kept``) through it too, so every line has one shape."""
     h = key_hash(scope, key)
     text = " ".join(f"{k}={v}" for k, v in fields.items() if v is not None)
-    logger.log(level, "%s key=%s%s", event, h, f" {text}" if text else "",
+    logger.log(level, "%s key=%s%s", event, h, f" {text}" if text else "", exc_info=exc_info,
                extra={"idempotency": {"event": event, "key_hash": h, **fields}})
 
 
@@ -143,10 +142,13 @@ class ClaimResult:
         response = None
         if outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
             body_bytes = row["response_body_bytes"]
+            body = load_json(row["response_body"])
+            if body is None and body_bytes is not None:
+                body = _json_of_bytes(row["response_content_type"], bytes(body_bytes))
             response = StoredResponse(
                 status=row["response_status"],
                 headers=dict(load_json(row["response_headers"]) or {}),
-                body=load_json(row["response_body"]),
+                body=body,
                 body_bytes=bytes(body_bytes) if body_bytes is not None else None,
                 content_type=row["response_content_type"],
                 completed_at=load_time(row["completed_at"]),
@@ -154,6 +156,44 @@ class ClaimResult:
         return cls(outcome, row["lease_token"], load_time(row["lease_expires_at"]),
                    row["recovery_point"], row["attempts"], load_interval(row["retry_after"]),
                    load_time(row["created_at"]), response)
+
+
+def json_bytes(value: Any) -> bytes:
+    """A JSON value as the bytes stored and replayed for it: compact, its keys in the order
+    given (jsonb would sort them), a Decimal by its exact digits, a tuple as an array. Call
+    :func:`~pg_idempotency.fingerprint.canonical_json` first to refuse what jsonb refuses."""
+    return "".join(_json_parts(value)).encode()
+
+
+def _json_parts(value: Any) -> Iterator[str]:
+    if isinstance(value, Mapping):
+        yield "{"
+        for i, (name, item) in enumerate(value.items()):
+            yield ("," if i else "") + json.dumps(name, ensure_ascii=False) + ":"
+            yield from _json_parts(item)
+        yield "}"
+    elif isinstance(value, (list, tuple)):
+        yield "["
+        for i, item in enumerate(value):
+            if i:
+                yield ","
+            yield from _json_parts(item)
+        yield "]"
+    elif isinstance(value, Decimal):
+        yield str(value)
+    else:
+        yield json.dumps(value, ensure_ascii=False)
+
+
+def _json_of_bytes(content_type: str | None, body: bytes) -> Any:
+    """The JSON value of a stored JSON body (None for any other body, or one that does not
+    parse)."""
+    if content_type is None or "json" not in content_type:
+        return None
+    try:
+        return json.loads(body)
+    except ValueError:
+        return None
 
 
 def load_json(text: str | None) -> Any:
@@ -235,6 +275,16 @@ class AbandonedKey:
                    row["recovery_point"], row["attempts"], load_time(row["created_at"]))
 
 
+#: psycopg's ``prepare`` for every statement the package sends: never a named server-side
+#: prepared statement, whatever the connection's ``prepare_threshold``. Behind a
+#: transaction-mode pooler (pgbouncer) the server connection changes between transactions, so
+#: a name prepared by one client can be executed by another: in issue 13 one client's
+#: heartbeat() ran another's prepared release() and deleted its key. Unnamed statements (Parse
+#: and Bind of "") live for one statement only. The cost is measured in docs/benchmarks.md
+#: (bench/prepare.py). Tests set it to None (psycopg's default) to show what it prevents.
+_PREPARE: bool | None = False
+
+
 # -- what the generators ask the drivers for -------------------------------------------------
 
 #: The calls Citus delegates by their first argument (docs/scale-out.md), with its name. A NULL
@@ -310,7 +360,7 @@ def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
                 value = (conn.info.transaction_status, conn.autocommit)
             elif request is _Tx.BEGIN:
                 if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-                    conn.execute(Q.BEGIN)
+                    conn.execute(Q.BEGIN, prepare=_PREPARE)
                 value = None
             elif request is _Tx.COMMIT:
                 value = conn.commit()
@@ -331,15 +381,15 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
     with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
-            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-            conn.execute(Q.COMMIT)
+            cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+            conn.execute(Q.COMMIT, prepare=_PREPARE)
         elif q.commit and _PIPELINE:
             # one Sync for both: conn.commit() in a pipeline would send a second one
             with conn.pipeline():
-                cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                conn.execute(Q.COMMIT)
+                cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+                conn.execute(Q.COMMIT, prepare=_PREPARE)
         else:
-            cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
             if q.commit:
                 conn.commit()
         return cur.fetchone() if q.fetch == "one" else cur.fetchall()
@@ -354,14 +404,14 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
             await conn.set_autocommit(False)
     async with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-            await conn.execute(Q.COMMIT)
+            await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+            await conn.execute(Q.COMMIT, prepare=_PREPARE)
         elif q.commit and _PIPELINE:
             async with conn.pipeline():
-                await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
-                await conn.execute(Q.COMMIT)
+                await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
+                await conn.execute(Q.COMMIT, prepare=_PREPARE)
         else:
-            await cur.execute(q.sql, q.params)  # type: ignore[arg-type]
+            await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
             if q.commit:
                 await conn.commit()
         return await (cur.fetchone() if q.fetch == "one" else cur.fetchall())
@@ -387,7 +437,7 @@ async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
                 value = (conn.info.transaction_status, conn.autocommit)
             elif request is _Tx.BEGIN:
                 if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
-                    await conn.execute(Q.BEGIN)
+                    await conn.execute(Q.BEGIN, prepare=_PREPARE)
                 value = None
             elif request is _Tx.COMMIT:
                 value = await conn.commit()
@@ -461,36 +511,59 @@ def _log_claim(event: str, scope: str, key: str, result: ClaimResult) -> None:
              recovery_point=None if result.recovery_point is None else "set")
 
 
+def _claimed(q: _Query, call: str, scope: str, key: str) -> _Gen[ClaimResult]:
+    """Run a claim or a takeover: its result, logged and observed (telemetry)."""
+    obs = telemetry.start(call, scope, key)
+    try:
+        row = yield q
+        result = ClaimResult.from_row(row)
+    except BaseException as exc:
+        telemetry.end(obs, telemetry.ERROR, error=exc)
+        raise
+    telemetry.end(obs, result.outcome.value, attempts=result.attempts)
+    _log_claim(call, scope, key, result)
+    return result
+
+
 def claim(scope: str, key: str, request: Any = None, *,
           lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
           strict: bool = False, reference_time: datetime | None = None) -> _Gen[ClaimResult]:
     """``idempotency.claim``. Pass the request as a JSON value, or ``request=None`` and your own
     32-byte ``fingerprint``. Run it in its own transaction (an autocommit connection, or commit
     right after): other retries must see the claim at once."""
-    row = yield _claim_query(scope, key, request, lease, fingerprint, strict, reference_time)
-    result = ClaimResult.from_row(row)
-    _log_claim("claim", scope, key, result)
-    return result
+    return (yield from _claimed(
+        _claim_query(scope, key, request, lease, fingerprint, strict, reference_time),
+        "claim", scope, key))
 
 
 def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
              reference_time: datetime | None = None) -> _Gen[ClaimResult]:
     """``idempotency.takeover``: take over an abandoned key (for background completers)."""
-    row = yield _Query(Q.TAKEOVER, {"scope": scope, "key": key, "lease": _interval(lease),
-                                    "reference_time": reference_time})
-    result = ClaimResult.from_row(row)
-    _log_claim("takeover", scope, key, result)
-    return result
+    return (yield from _claimed(
+        _Query(Q.TAKEOVER, {"scope": scope, "key": key, "lease": _interval(lease),
+                            "reference_time": reference_time}), "takeover", scope, key))
 
 
-def _fenced(q: _Query, scope: str, key: str, call: str) -> _Gen[Any]:
-    """Run a call that takes a lease token; log a lost lease (any :class:`LeaseLost`)."""
+def _fenced(q: _Query, scope: str, key: str, call: str,
+            done: Mapping[str, Any] | None = None) -> _Gen[Any]:
+    """Run a call that takes a lease token; log a lost lease (any :class:`LeaseLost`) and, when
+    ``done`` is given, the call's success as an INFO line with those fields; observe it
+    (telemetry: ok, lease_lost or error)."""
+    obs = telemetry.start(call, scope, key)
     try:
-        return (yield q)
+        row = yield q
     except LeaseLost as exc:
+        telemetry.end(obs, telemetry.LEASE_LOST, error=exc)
         if logger.isEnabledFor(logging.WARNING):
             _log(logging.WARNING, "lease_lost", scope, key, call=call, sqlstate=exc.sqlstate)
         raise
+    except BaseException as exc:
+        telemetry.end(obs, telemetry.ERROR, error=exc)
+        raise
+    telemetry.end(obs, telemetry.OK)
+    if done is not None and logger.isEnabledFor(logging.INFO):
+        _log(logging.INFO, call, scope, key, **done)
+    return row
 
 
 def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
@@ -529,8 +602,14 @@ def _complete_query(scope: str, key: str, lease_token: int, status: int, body: A
     if content_type is not None:
         raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
                          "application/json")
-    params["body"] = _jsonb(body) if body is not None else None
-    return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
+    if body is None:
+        params["body"] = None
+        return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
+    # A JSON value is stored as the bytes it serialises to (complete_bytes, application/json):
+    # jsonb would reorder its keys, so {"zeta":1,"a":2} would replay as {"a":2,"zeta":1}.
+    canonical_json(body)  # refuses what jsonb would refuse (NaN, lone surrogates, ...)
+    params.update(body=json_bytes(body), content_type="application/json")
+    return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit)
 
 
 def complete(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -545,7 +624,7 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     key: roll back."""
     q = _complete_query(scope, key, lease_token, status, body, headers, content_type,
                         reference_time)
-    row = yield from _fenced(q, scope, key, "complete")
+    row = yield from _fenced(q, scope, key, "complete", {"status": status})
     return load_time(row["completed_at"])
 
 
@@ -569,12 +648,14 @@ def _accept_row(scope: str, key: str, lease_token: int, status: int, body: Any =
         "body": _jsonb(body) if body is not None else None,
         "headers": _jsonb(dict(headers or {})), "lease": _interval(lease),
         "reference_time": reference_time,
-    }, fenced=True), scope, key, "accept")
+    }, fenced=True), scope, key, "accept", {"status": status})
     return row  # type: ignore[no-any-return]
 
 
 def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
-    """``idempotency.release``: for a failure before any side effect; the key is deleted."""
+    """``idempotency.release``: for a failure before any side effect. The key's row stays, in
+    state released (no lease, no response), and the next claim starts it afresh under a
+    greater lease token (engine 0.9.0)."""
     yield from _release(scope, key, lease_token, alone=False, reason="release")
 
 
@@ -600,9 +681,16 @@ def inbox_accept(consumer: str, message_id: str, *,
                  reference_time: datetime | None = None) -> _Gen[bool]:
     """``idempotency.inbox_accept``: True the first time, False for a redelivery. Call it in
     the transaction that applies the message's effects."""
-    row = yield _Query(Q.INBOX_ACCEPT, {"consumer": consumer, "message_id": message_id,
-                                        "reference_time": reference_time})
-    return bool(row["accepted"])
+    obs = telemetry.start("inbox_accept", consumer, message_id)
+    try:
+        row = yield _Query(Q.INBOX_ACCEPT, {"consumer": consumer, "message_id": message_id,
+                                            "reference_time": reference_time})
+    except BaseException as exc:
+        telemetry.end(obs, telemetry.ERROR, error=exc)
+        raise
+    accepted = bool(row["accepted"])
+    telemetry.end(obs, "accepted" if accepted else "duplicate")
+    return accepted
 
 
 # -- the guided flow -------------------------------------------------------------------------
@@ -679,10 +767,9 @@ class OperationCore:
                 f"operation() needs an idle connection, this one is {status.name}: claim must "
                 "commit on its own so that concurrent retries see it (commit or roll back first)")
         # alone: one statement in autocommit, whether or not the connection is in autocommit
-        row = yield _claim_query(self.scope, self.key, self._request, self._lease,
-                                 self._fingerprint, False, self._reference_time, alone=True)
-        result = ClaimResult.from_row(row)
-        _log_claim("claim", self.scope, self.key, result)
+        result = yield from _claimed(
+            _claim_query(self.scope, self.key, self._request, self._lease, self._fingerprint,
+                         False, self._reference_time, alone=True), "claim", self.scope, self.key)
         yield _Tx.COMMIT  # a no-op unless a caller's autocommit connection opened a transaction
         self.claim_result = result
         self.recovery_point = result.recovery_point
@@ -740,16 +827,21 @@ class OperationCore:
         row = yield from _fenced(
             _complete_query(self.scope, self.key, token, status, body, headers, content_type,
                             self._reference_time, commit=True),
-            self.scope, self.key, "complete")
+            self.scope, self.key, "complete", {"status": status})
         completed_at = load_time(row["completed_at"])
         self._done = True
         is_bytes = isinstance(body, (bytes, bytearray, memoryview))
-        self.response = StoredResponse(
-            status=status, headers=dict(headers or {}),
-            body=None if is_bytes else body, body_bytes=bytes(body) if is_bytes else None,
-            content_type=(content_type or "application/octet-stream") if is_bytes
-            else ("application/json" if body is not None else None),
-            completed_at=completed_at)
+        if is_bytes:
+            stored, content_type = bytes(body), content_type or "application/octet-stream"
+            value = _json_of_bytes(content_type, stored)
+        elif body is not None:
+            stored, content_type = json_bytes(body), "application/json"
+            value = json.loads(stored)  # as every replay will see it (a tuple is a list)
+        else:
+            stored, value = None, None
+        self.response = StoredResponse(status=status, headers=dict(headers or {}), body=value,
+                                       body_bytes=stored, content_type=content_type,
+                                       completed_at=completed_at)
         return self.response
 
     def g_accept(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
@@ -821,11 +913,29 @@ class OperationCore:
             return self.replay.json()
         try:
             value = yield _Call(fn, args, kwargs)
-            yield from self.g_complete(status, value)
+            stored = yield from self.g_complete(status, value)
         except BaseException as exc:
             yield from self.g_exit(exc)
             raise
-        return value
+        # What every retry will get back: the stored JSON value (a tuple comes back as a list,
+        # from the first call on), so the first answer and its replays are equal.
+        return stored.json() if value is not None else None
+
+
+def refuse_managed(conn: Any) -> None:
+    """:func:`~pg_idempotency.operation` and ``@idempotent`` commit on ``conn`` themselves (the
+    claim alone, then the business transaction with the response). A framework's connection
+    whose transactions the framework manages breaks under that (Django: ``atomic()``,
+    ``get_or_create`` and ``bulk_create`` fail with "can't change 'autocommit' now", and
+    ``on_commit`` fires for a write that rolled back): refuse it and name the adapter to use.
+    Recognised by the connection's cursor class (no framework is imported)."""
+    factory = getattr(conn, "cursor_factory", None)
+    if getattr(factory, "__module__", "").startswith("django."):
+        raise UsageError(
+            "operation() and @idempotent commit on the connection themselves, and this is "
+            "Django's connection, whose transactions Django manages (atomic(), on_commit): use "
+            "pg_idempotency.django instead (@idempotent on the view, or IdempotencyMiddleware; "
+            "docs/django.md), or a connection of your own")
 
 
 def idempotent_wrapper(fn: Callable[..., Any], *, lease: timedelta | float, status: int,
@@ -840,6 +950,7 @@ def idempotent_wrapper(fn: Callable[..., Any], *, lease: timedelta | float, stat
 
     @functools.wraps(fn)
     def wrapper(conn: Any, scope: str, key: str, *args: Any, **kwargs: Any) -> Any:
+        refuse_managed(conn)
         request = {"function": name, "args": list(args), "kwargs": kwargs}
         core = OperationCore(scope, key, request, lease=lease)
         call_kwargs = dict(kwargs, op=make_op(core, conn)) if wants_op else kwargs

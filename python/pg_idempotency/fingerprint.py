@@ -29,7 +29,7 @@ from typing import Any
 from .errors import InvalidArgument, invalid_argument
 
 __all__ = ["InvalidArgument", "canonical_json", "derive_key", "describe_request", "fingerprint",
-           "loads"]
+           "key_hash", "loads"]
 
 # numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
 # the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
@@ -51,7 +51,7 @@ _TOKENS = re.compile(r'("(?:[^"\\]|\\.)*")|(-?\d+(?:\.\d+)?(?:[eE][+-]?\d+)?)')
 
 def describe_request(method: str, path: str, query: str | None, content_type: str,
                      body: bytes) -> dict[str, Any]:
-    """What the HTTP adapters (the ASGI and Django middleware) fingerprint for a request: the
+    """What every HTTP adapter (:mod:`pg_idempotency.contract`) fingerprints for a request: the
     method, the path, the query string (``None``: it does not count) and the body, a JSON body
     by its parsed value (so its canonical form counts, not its spacing or key order) and any
     other by its sha256. One definition, so a key means the same behind either adapter."""
@@ -190,6 +190,13 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
         request = merged
     text = _canonical(request, fn, "request")
     return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+def key_hash(scope: str, key: str) -> str:
+    """The first 12 hex digits of sha256(scope NUL key): names a key in a log line or a span
+    without revealing it (scope and key cannot contain NUL, IK013). Also
+    ``pg_idempotency.core.key_hash``; docs/python.md ("OpenTelemetry") says why this hash."""
+    return hashlib.sha256(f"{scope}\0{key}".encode()).hexdigest()[:12]
 
 
 def derive_key(scope: str, key: str, step: str) -> str:

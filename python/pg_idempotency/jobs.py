@@ -37,7 +37,7 @@ import psycopg
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from . import api
+from . import api, core
 from . import queries as Q
 from .core import DEFAULT_LEASE, Outcome, load_json
 from .errors import AlreadyCompleted, KeyNotFound, LeaseLost, UsageError
@@ -51,24 +51,25 @@ def install_pgmq(conn: psycopg.Connection[Any]) -> bool:
     from pgmq.install import get_embedded_install_sql  # the [jobs] extra
 
     with conn.transaction():
-        row = conn.execute(Q.PGMQ_INSTALLED).fetchone()
+        row = conn.execute(Q.PGMQ_INSTALLED, prepare=core._PREPARE).fetchone()
         if row and row[0]:
             return False
-        conn.execute(get_embedded_install_sql())  # type: ignore[arg-type]  # a whole script
+        conn.execute(get_embedded_install_sql(), prepare=core._PREPARE)  # type: ignore[arg-type]  # a whole script
     return True
 
 
 def create_queue(conn: psycopg.Connection[Any], queue: str) -> None:
     """``pgmq.create(queue)`` (a no-op when it exists), in its own transaction."""
     with conn.transaction():
-        conn.execute(Q.PGMQ_CREATE, {"queue": queue})
+        conn.execute(Q.PGMQ_CREATE, {"queue": queue}, prepare=core._PREPARE)
 
 
 def enqueue(conn: psycopg.Connection[Any], queue: str, op: Any, payload: Any = None) -> int:
     """Send the job of operation ``op`` (scope, key, its lease token) with ``payload`` (a JSON
     value) to ``queue``, in the transaction open on ``conn``: call ``op.accept()`` after it,
     which commits both. Returns the message id."""
-    row = conn.execute(Q.PGMQ_SEND, _send_params("enqueue()", queue, op, payload)).fetchone()
+    row = conn.execute(Q.PGMQ_SEND, _send_params("enqueue()", queue, op, payload),
+                       prepare=core._PREPARE).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -76,7 +77,8 @@ def enqueue(conn: psycopg.Connection[Any], queue: str, op: Any, payload: Any = N
 async def aenqueue(conn: psycopg.AsyncConnection[Any], queue: str, op: Any,
                    payload: Any = None) -> int:
     """:func:`enqueue` on an async connection (an ASGI handler's ``op.conn``)."""
-    cur = await conn.execute(Q.PGMQ_SEND, _send_params("aenqueue()", queue, op, payload))
+    cur = await conn.execute(Q.PGMQ_SEND, _send_params("aenqueue()", queue, op, payload),
+                             prepare=core._PREPARE)
     row = await cur.fetchone()
     assert row is not None
     return int(row[0])
@@ -132,7 +134,8 @@ class Worker:
         """Read one message and handle it; False when the queue had none visible."""
         with self.conn.transaction():
             with self.conn.cursor(row_factory=dict_row) as cur:
-                msg = cur.execute(Q.PGMQ_READ, {"queue": self.queue, "vt": self._vt}).fetchone()
+                msg = cur.execute(Q.PGMQ_READ, {"queue": self.queue, "vt": self._vt},
+                                  prepare=core._PREPARE).fetchone()
         if msg is None:
             return False
         body = load_json(msg["message"])
@@ -172,7 +175,7 @@ class Worker:
         wait = result.retry_after.total_seconds() if result.retry_after else self.lease
         with self.conn.transaction():
             self.conn.execute(Q.PGMQ_SET_VT, {"queue": self.queue, "msg_id": job.msg_id,
-                                              "vt": max(1, round(wait))})
+                                              "vt": max(1, round(wait))}, prepare=core._PREPARE)
         return False
 
     def _run(self, job: Job) -> None:
@@ -186,7 +189,8 @@ class Worker:
                 headers: Mapping[str, str] | None = answer[2] if len(answer) > 2 else None
                 api.complete(self.conn, job.scope, job.key, job.lease_token, status, body,
                              headers=headers)
-                self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id})
+                self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id},
+                                  prepare=core._PREPARE)
         finally:
             stop.set()
             beat.join()
@@ -198,10 +202,11 @@ class Worker:
                 with conn.transaction():
                     api.heartbeat(conn, job.scope, job.key, job.lease_token, lease=self.lease)
                     conn.execute(Q.PGMQ_SET_VT, {"queue": self.queue, "msg_id": job.msg_id,
-                                                 "vt": self._vt})
+                                                 "vt": self._vt}, prepare=core._PREPARE)
             except (LeaseLost, AlreadyCompleted, KeyNotFound, psycopg.Error):
                 return  # fenced or disconnected: complete() will tell the handler's transaction
 
     def _delete(self, job: Job) -> None:
         with self.conn.transaction():
-            self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id})
+            self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id},
+                              prepare=core._PREPARE)

@@ -40,6 +40,7 @@ import psycopg
 from psycopg import pq
 from psycopg.rows import dict_row
 
+from . import core
 from . import queries as Q
 from .core import load_time
 
@@ -97,7 +98,8 @@ def run_maintenance(
     steps: list[MaintenanceStep] = []
     for attempt in range(1, attempts + 1):
         with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
-            rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time}).fetchall()
+            rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time},
+                               prepare=core._PREPARE).fetchall()
         this_run = [MaintenanceStep(**_times(row, "lower_bound", "upper_bound"), attempt=attempt)
                     for row in rows]
         steps.extend(this_run)
@@ -130,8 +132,8 @@ def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None 
     """
     params = {"reference_time": reference_time}
     with conn.cursor(row_factory=dict_row) as cur:
-        keys = cur.execute(Q.KEY_STATUS, params).fetchall()
-        partitions = cur.execute(Q.PARTITION_STATUS, params).fetchall()
+        keys = cur.execute(Q.KEY_STATUS, params, prepare=core._PREPARE).fetchall()
+        partitions = cur.execute(Q.PARTITION_STATUS, params, prepare=core._PREPARE).fetchall()
     return Status(
         keys=[_times(k, "oldest_created_at", "oldest_expired_lease") for k in keys],
         partitions=[_times(p, "lower_bound", "upper_bound", "drop_after") for p in partitions])

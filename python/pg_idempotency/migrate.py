@@ -123,13 +123,13 @@ def migrate(conn: psycopg.Connection) -> list[int]:
     applied: list[int] = []
     for migration in migrations():
         with conn.transaction():
-            conn.execute(_READ_COMMITTED)
-            conn.execute(_LOCK)
+            conn.execute(_READ_COMMITTED, prepare=False)
+            conn.execute(_LOCK, prepare=False)
             if _is_applied(conn, migration.version):
                 continue
             # No parameters: sent as one simple-protocol query, so the many statements of the
             # file run as they are (and '%' in it is not taken for a placeholder).
-            conn.execute(sql.SQL(migration.sql))  # type: ignore[arg-type]  # not LiteralString
+            conn.execute(sql.SQL(migration.sql), prepare=False)  # type: ignore[arg-type]  # not LiteralString
             if not _is_applied(conn, migration.version):
                 raise MigrationError(
                     f"migration {migration.name} did not record version {migration.version} "
@@ -140,8 +140,8 @@ def migrate(conn: psycopg.Connection) -> list[int]:
 
 
 def _is_applied(conn: psycopg.Connection, version: int) -> bool:
-    row = conn.execute(_HAS_TABLE).fetchone()
+    row = conn.execute(_HAS_TABLE, prepare=False).fetchone()
     if row is None or not row[0]:
         return False
-    row = conn.execute(_HAS_VERSION, {"version": version}).fetchone()
+    row = conn.execute(_HAS_VERSION, {"version": version}, prepare=False).fetchone()
     return bool(row and row[0])

@@ -53,7 +53,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from . import aio, core
+from . import aio, contract, core
 from .core import DEFAULT_LEASE, OperationCore, StoredResponse
 from .errors import UsageError
 
@@ -156,7 +156,7 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
             if isinstance(request, core._Query):
                 raw = _psycopg(session.connection().connection.driver_connection)
                 with raw.cursor(row_factory=dict_row) as cur:
-                    cur.execute(request.sql, request.params)
+                    cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
                 if request.commit:  # complete(): the ORM's writes commit with it
                     with _allowing(guard):
@@ -194,7 +194,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
                 conn = await session.connection()
                 raw = _psycopg((await conn.get_raw_connection()).driver_connection)
                 async with raw.cursor(row_factory=dict_row) as cur:
-                    await cur.execute(request.sql, request.params)
+                    await cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
                 if request.commit:
                     with _allowing(guard):
@@ -434,9 +434,7 @@ async def request_session(request: Request) -> AsyncSession:
     request. The handler counts as started at the session's first statement, so a request
     that fails validation before that is not stored. Raises UsageError without an operation
     (no Idempotency-Key on an optional route: use your usual session there)."""
-    from . import asgi  # the middleware's module needs starlette, this module does not
-
-    handling = asgi._handling(request)
+    handling = contract.handling_of(request.scope.get("state"))
     if handling is None:
         raise UsageError("request_session(): this request has no idempotency operation (no "
                          "Idempotency-Key, or not behind IdempotencyMiddleware)")
@@ -454,7 +452,11 @@ async def request_session(request: Request) -> AsyncSession:
     async def close() -> None:
         await bound.__aexit__(None, None, None)
 
-    asgi.add_cleanup(request, close)
+    handling.cleanups.append(close)
     state[_SESSION_KEY] = session
     return session
 
+
+
+# Every adapter runs its handlers inside the registered guards (refuse_foreign_commits option).
+contract.register_guard(refuse_foreign_commits)

@@ -16,21 +16,17 @@ headers named in ``REPLAY_HEADERS``) is stored with ``complete()`` in that same 
 view's ORM writes and the stored response commit together, and ``on_commit`` callbacks run only
 after that commit. Nothing here sends BEGIN or COMMIT itself: ``atomic()`` does.
 
-Answers of its own, the contract of :mod:`pg_idempotency.asgi`: 400 (no key on a route that
-requires one, or an invalid key), 401 (the scope callback returned None), 409 with
-``Retry-After`` (another attempt holds the key), 422 (the key was used with a different
-request, or it expired), and replays (the stored status, body bytes, content type and headers,
-plus ``Idempotent-Replayed: true``). See docs/django.md.
+Answers of its own, the contract every adapter shares (:mod:`pg_idempotency.contract`,
+docs/http.md): 400 (no key on a route that requires one, an invalid key, a body cut short), 401
+(the scope callback returned None), 409 with ``Retry-After`` (another attempt holds the key),
+422 (the key was used with a different request, or it expired), and replays (the stored status,
+body bytes, content type and headers, plus ``Idempotent-Replayed: true``). See docs/django.md.
 """
 
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
-import re
-import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -43,17 +39,16 @@ from django.http import HttpRequest, HttpResponse
 from django.utils.module_loading import import_string
 
 from .. import api
-from ..core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse, key_hash
-from ..errors import AlreadyCompleted, InvalidArgument, KeyNotFound, LeaseLost
-from ..fingerprint import _check_name, derive_key, describe_request, fingerprint
+from .. import contract as http
+from ..contract import DEFAULT_REPLAY_HEADERS, Answer
+from ..core import DEFAULT_LEASE, ClaimResult, Outcome, _log
+from ..errors import AlreadyCompleted, KeyNotFound, LeaseLost
+from ..fingerprint import derive_key
 
 __all__ = ["Idempotency", "IdempotencyMiddleware", "get_idempotency", "idempotent"]
 
 log = logging.getLogger("pg_idempotency")
 
-#: Headers stored and replayed by default (those that describe the result; the same list as
-#: the ASGI middleware). Per-request headers (dates, cookies, trace ids) are not.
-DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
 REQUEST_ATTR = "idempotency"
 _OWNED_KEY_GONE = (LeaseLost, AlreadyCompleted, KeyNotFound)
 _testcase_depth = 0  # > 0 while pg_idempotency.django.testing allows a TestCase's transaction
@@ -62,14 +57,8 @@ _testcase_depth = 0  # > 0 while pg_idempotency.django.testing allows a TestCase
 @dataclass
 class _Config:
     scope: Callable[[HttpRequest], str | None]
-    lease: float
-    wait: float
-    retry_after: int
-    replay_headers: frozenset[str]
-    store_server_errors: bool
-    include_query: bool
     using: str
-    header_name: str
+    settings: http.Settings
 
 
 def _default_scope(request: HttpRequest) -> str | None:
@@ -91,19 +80,13 @@ def _config(**overrides: Any) -> _Config:
     scope = get("SCOPE", _default_scope)
     if isinstance(scope, str):
         scope = import_string(scope)
-    lease = get("LEASE", DEFAULT_LEASE)
-    if isinstance(lease, timedelta):
-        lease = lease.total_seconds()
-    return _Config(
-        scope=scope, lease=float(lease), wait=float(get("WAIT", 0.0)),
-        retry_after=int(get("RETRY_AFTER", 1)),
-        replay_headers=frozenset(h.lower() for h in get("REPLAY_HEADERS",
-                                                        DEFAULT_REPLAY_HEADERS)),
+    return _Config(scope=scope, using=get("USING", DEFAULT_DB_ALIAS), settings=http.Settings(
+        header_name=get("HEADER", "Idempotency-Key"), wait=float(get("WAIT", 0.0)),
+        lease=get("LEASE", DEFAULT_LEASE),
+        retry_after_max=float(get("RETRY_AFTER", http.DEFAULT_RETRY_AFTER_MAX)),
+        replay_headers=frozenset(get("REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)),
         store_server_errors=bool(get("STORE_SERVER_ERRORS", False)),
-        include_query=bool(get("INCLUDE_QUERY", True)),
-        using=get("USING", DEFAULT_DB_ALIAS),
-        header_name=get("HEADER", "Idempotency-Key"),
-    )
+        fingerprint_query=bool(get("INCLUDE_QUERY", False))))
 
 
 class Idempotency:
@@ -138,41 +121,15 @@ def get_idempotency(request: HttpRequest) -> Idempotency | None:
 
 
 class _Rollback(Exception):
-    """Raised inside the atomic block to roll it back (a 5xx answer, a streaming one)."""
+    """Raised inside the atomic block to roll it back (an answer not stored, a streaming one)."""
 
 
-def _problem(status: int, title: str, detail: str,
-             headers: Mapping[str, str] | None = None) -> HttpResponse:
-    """An RFC 9457 problem details answer (the ASGI middleware's)."""
-    content = json.dumps({"type": "about:blank", "title": title, "status": status,
-                          "detail": detail}).encode()
-    response = HttpResponse(content, status=status, content_type="application/problem+json")
-    for name, value in (headers or {}).items():
+def _response(answer: Answer) -> HttpResponse:
+    response = HttpResponse(answer.body, status=answer.status)
+    del response["Content-Type"]  # the answer says its own (a stored one may have none)
+    for name, value in answer.headers:
         response[name] = value
     return response
-
-
-def _stored_response(stored: StoredResponse, replayed: bool) -> HttpResponse:
-    content = stored.content
-    response = HttpResponse(content, status=stored.status,
-                            content_type=stored.content_type or "application/octet-stream")
-    if stored.content_type is None:
-        del response["Content-Type"]
-    for name, value in stored.headers.items():
-        response[name] = value
-    response["Content-Length"] = str(len(content))
-    if replayed:
-        response["Idempotent-Replayed"] = "true"
-    return response
-
-
-def _describe(request: HttpRequest, body: bytes, include_query: bool) -> dict[str, Any]:
-    """What the fingerprint covers: the ASGI middleware's description
-    (:func:`~pg_idempotency.fingerprint.describe_request`)."""
-    return describe_request(
-        request.method, request.path,  # type: ignore[arg-type]  # always set by the handler
-        request.META.get("QUERY_STRING", "") if include_query else None,
-        request.META.get("CONTENT_TYPE", ""), body)
 
 
 def _claim(conn: Any, scope: str, key: str, digest: bytes, lease: float) -> ClaimResult:
@@ -208,66 +165,39 @@ def _raw_connection(using: str) -> tuple[Any, Any, bool]:
 
 
 def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
-            required: bool) -> HttpResponse:
-    raw_key = request.headers.get(conf.header_name)
-    if raw_key is None:
-        if required:
-            return _problem(400, f"{conf.header_name} header required",
-                            f"{request.method} {request.path} requires an "
-                            f"{conf.header_name} header.")
-        return view()
-    key = raw_key.strip()
-    if len(key) >= 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
-        key = key[1:-1]
-    try:
-        _check_name(conf.header_name, "key", key)
-    except InvalidArgument as exc:
-        return _problem(400, f"Invalid {conf.header_name}", str(exc))
+            policy: http.Policy) -> HttpResponse:
+    s = conf.settings
+    method, path = request.method or "", request.path
+    key = http.read_key(s, policy, request.headers.get(s.header_name), method, path)
+    if not isinstance(key, str):
+        return view() if key is None else _response(key)
     scope = conf.scope(request)
     if not scope:
-        return _problem(401, "Unknown caller",
-                        "Idempotency keys belong to an identified caller.")
-    digest = fingerprint(_describe(request, request.body, conf.include_query))
+        return _response(http.unknown_caller())
+    body = request.body
+    if not http.body_complete(request.META.get("CONTENT_LENGTH"), body):
+        return _response(http.incomplete_body())
+    digest = http.request_fingerprint(s, method, path, request.META.get("QUERY_STRING", ""),
+                                      request.META.get("CONTENT_TYPE", ""), body)
     connection, conn, test_mode = _raw_connection(conf.using)
-    hashed = key_hash(scope, key)  # the same name the core's log lines use
-    deadline = time.monotonic() + conf.wait
-    pause = 0.02
-    while True:
+
+    def claim() -> ClaimResult:
         if test_mode:
             with transaction.atomic(using=conf.using):
-                claim = _claim(conn, scope, key, digest, conf.lease)
+                result = _claim(conn, scope, key, digest, s.lease_seconds)
         else:
-            claim = _claim(conn, scope, key, digest, conf.lease)
-        outcome = claim.outcome
-        log.info("pg_idempotency %s key=%s", outcome.value, hashed)
-        if outcome is Outcome.MISMATCH:
-            return _problem(422, f"{conf.header_name} reused",
-                            f"This {conf.header_name} was used with a different request. "
-                            "Use a new key for a new request.")
-        if outcome is Outcome.EXPIRED:
-            return _problem(422, f"{conf.header_name} expired",
-                            f"This {conf.header_name} was used and has expired. Use a new "
-                            "key for a new request.")
-        if outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
-            assert claim.response is not None
-            return _stored_response(claim.response, replayed=True)
-        if outcome.owned:
-            break
-        left = deadline - time.monotonic()
-        if left <= 0:
-            remaining = claim.retry_after.total_seconds() if claim.retry_after else 1
-            seconds = max(1, min(conf.retry_after, math.ceil(remaining)))
-            return _problem(409, "Request in progress",
-                            "A request with this key is being processed. Retry later.",
-                            {"Retry-After": str(seconds)})
-        time.sleep(min(pause, left))
-        pause = min(pause * 2, 0.25)
-    return _execute(request, view, conf, connection, conn, scope, key, claim, hashed)
+            result = _claim(conn, scope, key, digest, s.lease_seconds)
+        return result  # logged by the core's claim, as every event of the API
+
+    claimed = http.claim_waiting(s, claim)
+    if isinstance(claimed, Answer):
+        return _response(claimed)
+    return _execute(request, view, conf, connection, conn, scope, key, claimed)
 
 
 def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
-             connection: Any, conn: Any, scope: str, key: str, claim: ClaimResult,
-             hashed: str) -> HttpResponse:
+             connection: Any, conn: Any, scope: str, key: str, claim: ClaimResult
+             ) -> HttpResponse:
     state = Idempotency(scope, key, claim)
     setattr(request, REQUEST_ATTR, state)
     token = claim.lease_token
@@ -280,50 +210,45 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
             if getattr(response, "streaming", False):
                 raise _Rollback("a streaming response cannot be stored: do not make "
                                 "streaming views idempotent")
-            if response.status_code >= 500 and not conf.store_server_errors:
+            if not http.stores(conf.settings, response.status_code):
                 failed_response = response
                 raise _Rollback(response.status_code)
-            stored = {name: value for name, value in response.headers.items()
-                      if name.lower() in conf.replay_headers}
-            content_type = response.headers.get("Content-Type", "application/octet-stream")
+            stored, content_type = http.stored_parts(conf.settings, response.headers.items())
             api.complete(conn, scope, key, token, response.status_code,
                          bytes(response.content), headers=stored, content_type=content_type)
             completed = True
     except _OWNED_KEY_GONE:
         # Taken over while we ran: the atomic block (our writes) rolled back; the new
-        # holder's answer is the one that counts.
-        log.warning("pg_idempotency lease_lost key=%s", hashed)
-        return _problem(409, "Request in progress",
-                        "The lease on this key expired and another attempt took it over.",
-                        {"Retry-After": "1"})
+        # holder's answer is the one that counts. (The core logged lease_lost.)
+        return _response(http.taken_over())
     except BaseException as exc:
         if not completed:
-            _release_after_failure(connection, conn, conf, state, token, hashed)
+            _release_after_failure(connection, conn, conf, state, token)
         if isinstance(exc, _Rollback) and failed_response is not None:
             return failed_response
         raise
-    log.info("pg_idempotency completed key=%s", hashed)
     return response
 
 
 def _release_after_failure(connection: Any, conn: Any, conf: _Config, state: Idempotency,
-                           token: int, hashed: str) -> None:
+                           token: int) -> None:
     """The view failed before complete(): its writes are rolled back. Release the key for a
     fresh retry unless a side effect may have happened (then it stays in progress and the next
     retry after the lease resumes)."""
     if state.side_effects:
-        log.info("pg_idempotency kept_in_progress key=%s", hashed)
+        if log.isEnabledFor(logging.INFO):
+            _log(logging.INFO, "kept", state.scope, state.key, reason="exception")
         return
     try:
         if connection.in_atomic_block:  # test mode: a savepoint of the TestCase's transaction
             with transaction.atomic(using=conf.using):
                 api.release(conn, state.scope, state.key, token)
         else:
-            api.release(conn, state.scope, state.key, token)
-        log.info("pg_idempotency released key=%s", hashed)
+            api.release(conn, state.scope, state.key, token)  # the core logs the release
     except Exception:  # noqa: BLE001 - the view's error is the one to report
         # An unreleased key only costs the client a wait for the lease to expire.
-        log.warning("pg_idempotency release_failed key=%s", hashed, exc_info=True)
+        if log.isEnabledFor(logging.WARNING):
+            _log(logging.WARNING, "release_failed", state.scope, state.key, exc_info=True)
 
 
 def idempotent(view: Callable[..., HttpResponse] | None = None, *,
@@ -340,6 +265,7 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
     overrides = {"scope": scope, "lease": lease, "wait": wait, "retry_after": retry_after,
                  "replay_headers": replay_headers, "store_server_errors": store_server_errors,
                  "include_query": include_query, "using": using}
+    policy = http.Policy.REQUIRED if required else http.Policy.OPTIONAL
 
     def decorate(fn: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
         @functools.wraps(fn)
@@ -347,19 +273,12 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
             if get_idempotency(request) is not None:  # the middleware claimed it already
                 return fn(request, *args, **kwargs)
             return _handle(request, lambda: fn(request, *args, **kwargs), _config(**overrides),
-                           required)
+                           policy)
 
         alias = using or getattr(settings, "PG_IDEMPOTENCY", {}).get("USING", DEFAULT_DB_ALIAS)
         return transaction.non_atomic_requests(using=alias)(wrapper)
 
     return decorate(view) if view is not None else decorate
-
-
-def _route_regex(pattern: str) -> re.Pattern[str]:
-    method, _, path = pattern.strip().partition(" ")
-    parts = re.split(r"(\{[^/{}]+\})", path.strip())
-    body = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
-    return re.compile(f"{re.escape(method.upper())} {body}")
 
 
 class IdempotencyMiddleware:
@@ -372,22 +291,13 @@ class IdempotencyMiddleware:
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
         conf: Mapping[str, Any] = getattr(settings, "PG_IDEMPOTENCY", {})
-        self.default_policy = conf.get("DEFAULT_POLICY", "ignored")
-        self.routes = [(_route_regex(p), policy) for p, policy in conf.get("ROUTES", {}).items()]
-        for _, policy in [*self.routes, (None, self.default_policy)]:
-            if policy not in ("required", "optional", "ignored"):
-                raise ValueError(f"PG_IDEMPOTENCY: policy {policy!r} is not one of "
-                                 "'required', 'optional', 'ignored'")
+        self.routes = http.Routes(conf.get("ROUTES", {}), conf.get("DEFAULT_POLICY", "ignored"))
 
     def policy(self, method: str, path: str) -> str:
-        for regex, policy in self.routes:
-            if regex.fullmatch(f"{method} {path}"):
-                return str(policy)
-        return str(self.default_policy)
+        return self.routes.policy(method, path).value
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        policy = self.policy(request.method or "", request.path)
-        if policy == "ignored":
+        policy = self.routes.policy(request.method or "", request.path)
+        if policy is http.Policy.IGNORED:
             return self.get_response(request)
-        return _handle(request, lambda: self.get_response(request), _config(),
-                       required=policy == "required")
+        return _handle(request, lambda: self.get_response(request), _config(), policy)

@@ -1,0 +1,76 @@
+"""A payments service in Flask: the code of docs/flask.md, as one file.
+
+    pip install 'pg-idempotency[flask,binary]'
+    pg-idempotency migrate --dsn "$DATABASE_URL"
+    DATABASE_URL=... flask --app examples/flask_payments/app.py run
+
+    curl -X POST localhost:5000/payments -H 'X-Account: acct_42' \\
+         -H 'Idempotency-Key: order-7f3a' -H 'Content-Type: application/json' \\
+         -d '{"amount": 50, "currency": "EUR"}'
+
+POST /payments requires an Idempotency-Key. The decorator claims it on a connection of the pool
+and hands the view that connection in an open transaction (``get_operation().conn``); the view
+writes the ledger row on it and returns its answer, which the decorator stores with complete()
+in the same transaction before it commits: the row and the replayable answer exist together or
+not at all. A retry gets the stored answer, byte for byte, with Idempotent-Replayed: true.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+from flask import Flask, Request, jsonify, request
+from psycopg_pool import ConnectionPool
+
+from pg_idempotency.flask import Idempotency, get_operation
+
+# One row per payment: the retry storm of tests/test_http_adapters.py counts them.
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS ledger (
+    payment_id text PRIMARY KEY,
+    account text NOT NULL, amount integer NOT NULL CHECK (amount > 0), currency text NOT NULL
+)
+"""
+
+
+def caller_account(req: Request) -> str | None:
+    """Whose keys these are. A real service takes the authenticated account, not a header."""
+    return req.headers.get("X-Account")
+
+
+def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0,
+               pool_size: int = 10) -> Flask:
+    pool = ConnectionPool(dsn, min_size=1, max_size=pool_size, open=True)
+    with pool.connection() as conn:
+        conn.execute(SCHEMA)
+    # wait: a retry that finds the first attempt still running waits for its answer (then
+    # replays it) up to this many seconds before a 409.
+    idem = Idempotency(pool, scope=caller_account, wait=wait, lease=lease)
+    app = Flask(__name__)
+    app.extensions["pool"] = pool
+
+    @app.post("/payments")
+    @idem.idempotent  # the Idempotency-Key header is required here
+    def create_payment():  # type: ignore[no-untyped-def]
+        payment = request.get_json()
+        if not isinstance(payment.get("amount"), int) or payment["amount"] <= 0:
+            return {"error": "amount must be a positive integer"}, 422  # stored: a result
+        op = get_operation()
+        payment_id = f"pay_{uuid.uuid4().hex[:12]}"
+        op.conn.execute(  # the business write, in the transaction the answer commits with
+            "INSERT INTO ledger (account, amount, currency, payment_id) "
+            "VALUES (%s, %s, %s, %s)",
+            (caller_account(request), payment["amount"], payment.get("currency", "EUR"),
+             payment_id))
+        response = jsonify(id=payment_id, amount=payment["amount"],
+                           currency=payment.get("currency", "EUR"))
+        response.status_code = 201
+        response.headers["Location"] = f"/payments/{payment_id}"  # stored and replayed
+        return response
+
+    return app
+
+
+if __name__ == "__main__":
+    create_app(os.environ.get("DATABASE_URL", "dbname=payments")).run(port=5000)

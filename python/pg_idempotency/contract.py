@@ -1,0 +1,393 @@
+"""The HTTP contract of the Idempotency-Key header, written once for every framework adapter.
+
+Pure functions and small types, no framework and no database: the ASGI middleware
+(:mod:`pg_idempotency.asgi`), the Django decorator and middleware
+(:mod:`pg_idempotency.django`) and the Flask/WSGI adapter (:mod:`pg_idempotency.flask`) each
+only translate their request and response objects to and from these, and run the handler in
+their framework's transaction. docs/http.md states the same contract in prose:
+
+- which routes are keyed (:class:`Routes`, :class:`Policy`): only the listed ones by default;
+- the key (:func:`read_key`): 400 when missing on a required route or invalid;
+- what the fingerprint covers (:func:`request_fingerprint`): method, path, body (a JSON body by
+  its canonical form), the query string only when asked (``fingerprint_query``);
+- the answer to a claim (:func:`claim_answer`): run the handler, replay the stored response
+  with ``Idempotent-Replayed: true``, 422 problem+json, or 409 with ``Retry-After``; and
+  waiting for an attempt in progress (:func:`claim_waiting`, :func:`aclaim_waiting`);
+- what is stored (:func:`stores`, :func:`stored_parts`): 2xx, 3xx and 4xx answers of a handler
+  that ran; 5xx only with ``store_server_errors``; an error answer made before the handler
+  started is released instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import re
+import time
+from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+from .core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse
+from .errors import InvalidArgument
+from .fingerprint import _check_name, describe_request, fingerprint
+
+__all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Policy", "Routes", "Settings",
+           "aclaim_waiting", "body_complete", "claim_answer", "claim_waiting", "guarded",
+           "handling_of", "in_progress", "incomplete_body", "no_connection", "problem",
+           "read_key", "register_guard", "request_fingerprint", "start", "stored_answer",
+           "stored_parts", "stores", "taken_over", "unknown_caller"]
+
+#: Headers that describe the operation's result, stored and replayed by default. Per-request
+#: headers (dates, trace ids, rate-limit counters, cookies) are not.
+DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
+#: Retry-After never says more than this by default (seconds), whatever the lease.
+DEFAULT_RETRY_AFTER_MAX = 2.0
+#: The header every replay carries.
+REPLAYED_HEADER = ("Idempotent-Replayed", "true")
+
+
+class Policy(str, Enum):
+    """Per-route use of the Idempotency-Key header."""
+
+    REQUIRED = "required"  #: 400 without the header
+    OPTIONAL = "optional"  #: idempotent when the header is sent, passed through otherwise
+    IGNORED = "ignored"  #: never looked at
+
+
+@dataclass(frozen=True)
+class Answer:
+    """An HTTP answer in no framework's types: the adapter sends it as it is."""
+
+    status: int
+    headers: tuple[tuple[str, str], ...]
+    body: bytes
+    #: True when this is a replay of a stored answer (it carries Idempotent-Replayed).
+    replayed: bool = False
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every adapter lets its user choose, with the defaults a payments service wants.
+
+    - ``header_name``: the request header carrying the key.
+    - ``wait``: seconds to wait for an attempt in progress to finish (then replay) before
+      answering 409; 0 answers at once.
+    - ``lease``: how long a handler may run before a retry may take the key over.
+    - ``retry_after_max``: the largest ``Retry-After`` of a 409 (the lease left, capped).
+    - ``replay_headers``: response headers stored and replayed (case-insensitive).
+    - ``store_server_errors``: store 5xx answers as the key's result (default False: a 5xx is
+      rolled back and the key released, so the retry runs afresh).
+    - ``fingerprint_query``: whether the query string is part of the fingerprint (default
+      False: a tracking parameter added by a retrying client does not make another request).
+    """
+
+    header_name: str = "Idempotency-Key"
+    wait: float = 0.0
+    lease: timedelta | float = DEFAULT_LEASE
+    retry_after_max: float = DEFAULT_RETRY_AFTER_MAX
+    replay_headers: frozenset[str] = field(
+        default_factory=lambda: frozenset(DEFAULT_REPLAY_HEADERS))
+    store_server_errors: bool = False
+    fingerprint_query: bool = False
+
+    def __post_init__(self) -> None:
+        if self.retry_after_max < 1:
+            raise ValueError("retry_after_max must be at least 1 (second)")
+        if self.wait < 0:
+            raise ValueError("wait must be 0 or more (seconds)")
+        object.__setattr__(self, "replay_headers",
+                           frozenset(h.lower() for h in self.replay_headers))
+
+    @property
+    def lease_seconds(self) -> float:
+        lease = self.lease
+        return lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
+
+
+# -- routes -----------------------------------------------------------------------------------
+
+def _route_regex(pattern: str) -> re.Pattern[str]:
+    method, _, path = pattern.strip().partition(" ")
+    parts = re.split(r"(\{[^/{}]+\})", path.strip())
+    body = "".join("[^/]+" if p.startswith("{") else re.escape(p) for p in parts)
+    return re.compile(f"{re.escape(method.upper())} {body}")
+
+
+class Routes:
+    """``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": "optional"}``
+    (``{name}`` matches one path segment). A route not listed gets ``default`` (IGNORED):
+    keyed routes are named, so that no endpoint is idempotent by accident of a header."""
+
+    def __init__(self, routes: Mapping[str, Policy | str] | None = None,
+                 default: Policy | str = Policy.IGNORED) -> None:
+        try:
+            self.default = Policy(default)
+            self._routes = [(_route_regex(pattern), Policy(policy))
+                            for pattern, policy in (routes or {}).items()]
+        except ValueError as exc:
+            raise ValueError(f"{exc}: a policy is one of 'required', 'optional', "
+                             "'ignored'") from None
+
+    def policy(self, method: str, path: str) -> Policy:
+        for regex, policy in self._routes:
+            if regex.fullmatch(f"{method} {path}"):
+                return policy
+        return self.default
+
+
+# -- answers of the adapter's own --------------------------------------------------------------
+
+def problem(status: int, title: str, detail: str,
+            headers: Iterable[tuple[str, str]] = ()) -> Answer:
+    """An RFC 9457 problem details answer."""
+    content = json.dumps({"type": "about:blank", "title": title, "status": status,
+                          "detail": detail}).encode()
+    return Answer(status, (("Content-Type", "application/problem+json"),
+                           ("Content-Length", str(len(content))), *headers), content)
+
+
+def read_key(settings: Settings, policy: Policy, raw: str | None, method: str,
+             path: str) -> str | Answer | None:
+    """The key of a request from its header value (``raw``, None when absent): the key, an
+    answer (400) to send instead, or None when the request is not keyed (pass it through)."""
+    if policy is Policy.IGNORED:
+        return None
+    name = settings.header_name
+    if raw is None:
+        if policy is Policy.REQUIRED:
+            return problem(400, f"{name} header required",
+                           f"{method} {path} requires an {name} header.")
+        return None
+    key = raw.strip()
+    if len(key) >= 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
+        key = key[1:-1]
+    try:
+        _check_name(name, "key", key)
+    except InvalidArgument as exc:
+        return problem(400, f"Invalid {name}", str(exc))
+    return key
+
+
+def unknown_caller() -> Answer:
+    """401: the adapter's scope callback could not name the caller."""
+    return problem(401, "Unknown caller", "Idempotency keys belong to an identified caller.")
+
+
+def incomplete_body() -> Answer:
+    """400: the body ended before its Content-Length (the client went away). Nothing is
+    claimed, so its retry with the whole body is the first attempt."""
+    return problem(400, "Incomplete body",
+                   "The request body ended before its Content-Length. Nothing was done.")
+
+
+def body_complete(content_length: str | None, body: bytes) -> bool:
+    """Whether ``body`` is as long as the request's Content-Length said (no header: yes)."""
+    try:
+        return content_length in (None, "") or len(body) >= int(content_length)  # type: ignore[arg-type]
+    except ValueError:
+        return True
+
+
+def request_fingerprint(settings: Settings, method: str, path: str, query: str,
+                        content_type: str, body: bytes) -> bytes:
+    """The fingerprint of a request (:func:`~pg_idempotency.fingerprint.describe_request`):
+    the same bytes behind every adapter."""
+    return fingerprint(describe_request(method, path,
+                                        query if settings.fingerprint_query else None,
+                                        content_type, body))
+
+
+def _retry_after(settings: Settings, left: timedelta | None) -> str:
+    seconds = left.total_seconds() if left is not None else 1.0
+    return str(max(1, math.ceil(min(seconds, settings.retry_after_max))))
+
+
+def in_progress(settings: Settings, left: timedelta | None) -> Answer:
+    """409 with Retry-After: the lease left (``left``), at most ``retry_after_max``, at least
+    1; without a lease left (unknown), 1 second: a short poll."""
+    return problem(409, "Request in progress",
+                   "A request with this key is being processed. Retry later.",
+                   [("Retry-After", _retry_after(settings, left))])
+
+
+def taken_over() -> Answer:
+    """409: this attempt's lease expired and another attempt took the key over while the
+    handler ran; its writes were rolled back and the other attempt's answer counts."""
+    return problem(409, "Request in progress",
+                   "The lease on this key expired and another attempt took it over.",
+                   [("Retry-After", "1")])
+
+
+def no_connection(settings: Settings) -> Answer:
+    """503 with Retry-After: no database connection was free in time."""
+    return problem(503, "No database connection",
+                   "No connection to the idempotency store was free in time. Retry later.",
+                   [("Retry-After", _retry_after(settings, None))])
+
+
+def stored_answer(stored: StoredResponse, *, replayed: bool = True) -> Answer:
+    """A stored response as sent: its status, exact bytes, content type and stored headers,
+    plus ``Idempotent-Replayed: true`` for a replay."""
+    content = stored.content
+    headers = list(stored.headers.items())
+    if stored.content_type:
+        headers.append(("Content-Type", stored.content_type))
+    headers.append(("Content-Length", str(len(content))))
+    if replayed:
+        headers.append(REPLAYED_HEADER)
+    return Answer(stored.status, tuple(headers), content, replayed)
+
+
+def claim_answer(settings: Settings, result: ClaimResult) -> Answer | None:
+    """What a claim means for the request: None when this attempt owns the key (run the
+    handler), else the answer: a replay (of the final answer, or of a worker's interim one),
+    422 (another request used the key, or it expired), or 409 (in progress)."""
+    outcome = result.outcome
+    name = settings.header_name
+    if outcome.owned:
+        return None
+    if outcome is Outcome.MISMATCH:
+        return problem(422, f"{name} reused", f"This {name} was used with a different "
+                       "request. Use a new key for a new request.")
+    if outcome is Outcome.EXPIRED:
+        return problem(422, f"{name} expired", f"This {name} was used and has expired. Use a "
+                       "new key for a new request.")
+    if outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
+        assert result.response is not None
+        return stored_answer(result.response)
+    return in_progress(settings, result.retry_after)
+
+
+# -- waiting for an attempt in progress -------------------------------------------------------
+
+_Claiming = Generator[float | None, Any, "ClaimResult | Answer"]
+
+
+def _claiming(settings: Settings) -> _Claiming:
+    """Claim until owned or answered; while another attempt holds the key, poll (20 ms
+    doubling to 250 ms) until ``wait`` runs out, then answer 409. Yields None to ask for a
+    claim (sent back: the ClaimResult) and a number of seconds to ask for a sleep."""
+    deadline = time.monotonic() + settings.wait
+    pause = 0.02
+    while True:
+        result = yield None
+        answer = claim_answer(settings, result)
+        if answer is None:
+            return result  # type: ignore[no-any-return]
+        left = deadline - time.monotonic()
+        if result.outcome is not Outcome.IN_PROGRESS or left <= 0:
+            return answer
+        yield min(pause, left)
+        pause = min(pause * 2, 0.25)
+
+
+def claim_waiting(settings: Settings, claim: Callable[[], ClaimResult],
+                  sleep: Callable[[float], Any] = time.sleep) -> ClaimResult | Answer:
+    """The claim of a sync adapter: the ClaimResult of an owned key, or the answer to send."""
+    gen = _claiming(settings)
+    ask = next(gen)
+    try:
+        while True:
+            ask = gen.send(claim() if ask is None else sleep(ask))
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+async def aclaim_waiting(settings: Settings, claim: Callable[[], Awaitable[ClaimResult]],
+                         sleep: Callable[[float], Awaitable[Any]]) -> ClaimResult | Answer:
+    """:func:`claim_waiting` for an async adapter (``sleep``: its event loop's)."""
+    gen = _claiming(settings)
+    ask = next(gen)
+    try:
+        while True:
+            ask = gen.send(await claim() if ask is None else await sleep(ask))
+    except StopIteration as stop:
+        return stop.value  # type: ignore[no-any-return]
+
+
+# -- what is stored -------------------------------------------------------------------------
+
+def stores(settings: Settings, status: int, *, started: bool = True) -> bool:
+    """Whether the handler's answer is the key's result (stored with its writes, replayed to
+    retries) or rolled back with the key released (a retry runs afresh):
+
+    - an error answer (4xx) made before the handler started (``started=False``: a framework's
+      request validation, an authentication check): released, it is not the endpoint's result;
+    - 5xx: stored only with ``store_server_errors``, wherever it came from;
+    - anything else: stored."""
+    if status >= 500:
+        return settings.store_server_errors
+    return started or status < 400
+
+
+def stored_parts(settings: Settings, headers: Iterable[tuple[str, str]]
+                 ) -> tuple[dict[str, str], str]:
+    """From the handler's response headers: those stored for replay (``replay_headers``) and
+    the content type (application/octet-stream when it set none)."""
+    stored: dict[str, str] = {}
+    content_type = "application/octet-stream"
+    for name, value in headers:
+        lname = name.lower()
+        if lname == "content-type":
+            content_type = value
+        elif lname in settings.replay_headers:
+            stored[name] = value
+    return stored, content_type
+
+
+# -- while a handler runs -------------------------------------------------------------------
+
+#: Where an adapter keeps a request's :class:`Handling` (ASGI: in ``scope["state"]``; WSGI:
+#: in the environ; Django: as an attribute of the request).
+HANDLING_KEY = "idempotency"
+
+
+@dataclass
+class Handling:
+    """One keyed request while its handler runs: the operation, whether the handler started
+    (asked for its operation, or began a transaction on it), and what to run once it has
+    returned, before the response is stored (last first). Helpers such as
+    :func:`pg_idempotency.sqlalchemy.request_session` find it here, not in an adapter."""
+
+    op: Any
+    started: bool = False
+    cleanups: list[Callable[[], Any]] = field(default_factory=list)
+
+
+def handling_of(state: Mapping[str, Any] | None, key: str = HANDLING_KEY) -> Handling | None:
+    """The :class:`Handling` kept in ``state`` under ``key``, else None."""
+    found = (state or {}).get(key)
+    return found if isinstance(found, Handling) else None
+
+
+def start(handling: Handling | None) -> Any:
+    """What ``get_operation()`` of every adapter does: the operation (None without a key),
+    and the handler marked as started (a 4xx from now on is its result, stored)."""
+    if handling is None:
+        return None
+    handling.started = True
+    return handling.op
+
+
+_guards: list[Callable[[Any], contextlib.AbstractContextManager[Any]]] = []
+
+
+def register_guard(guard: Callable[[Any], contextlib.AbstractContextManager[Any]]) -> None:
+    """Have every adapter run its handlers inside ``guard(op.conn)``. An integration module
+    registers itself when imported (:mod:`pg_idempotency.sqlalchemy` refuses commits on other
+    connections while a handler runs); no adapter has to import it."""
+    if guard not in _guards:
+        _guards.append(guard)
+
+
+@contextlib.contextmanager
+def guarded(conn: Any, enabled: bool = True) -> Iterator[None]:
+    """The registered guards around a handler on ``conn`` (none when ``enabled`` is false)."""
+    with contextlib.ExitStack() as stack:
+        for guard in _guards if enabled else ():
+            stack.enter_context(guard(conn))
+        yield

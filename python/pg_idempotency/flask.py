@@ -1,0 +1,311 @@
+"""Flask and plain WSGI: a view decorator and a WSGI middleware (extra ``flask``).
+
+    pool = ConnectionPool(dsn, open=True)                   # psycopg_pool
+    idem = Idempotency(pool, scope=lambda request: request.headers.get("X-Account"))
+
+    @app.post("/payments")
+    @idem.idempotent                                        # the key is required
+    def pay():
+        op = get_operation()
+        op.conn.execute("INSERT INTO ledger ...")           # the business write, on op.conn
+        return {"id": 7}, 201                               # stored with it, in one commit
+
+or for a whole WSGI app, the keyed routes named (unlisted ones are not keyed)::
+
+    app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, pool=pool,
+                                         scope=lambda environ: environ.get("HTTP_X_ACCOUNT"),
+                                         routes={"POST /payments": "required"})
+
+For a request with an ``Idempotency-Key`` the key is claimed on a connection of ``pool``
+(committed on its own, so concurrent retries see it), then the view runs with that connection
+in an open transaction (``get_operation().conn``). Its answer (status, exact body bytes, content
+type and the headers named in ``replay_headers``) is stored with ``complete()`` in that same
+transaction, committed, and only then sent: the business write and the stored answer commit
+together or not at all. A view that raises, or answers 5xx (unless ``store_server_errors``), is
+rolled back and the key released; a retry runs afresh. The answers of the adapter's own
+(400, 401, 409 with Retry-After, 422, 503, replays with ``Idempotent-Replayed: true``) are the
+contract every adapter shares (:mod:`pg_idempotency.contract`, docs/http.md). Guide:
+docs/flask.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import flask
+from psycopg_pool import ConnectionPool, PoolTimeout
+
+from . import api
+from . import contract as http
+from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
+from .core import ClaimResult
+from .errors import AlreadyCompleted, KeyExpired, KeyInProgress, KeyMismatch, KeyNotFound, LeaseLost
+
+__all__ = ["Idempotency", "IdempotencyMiddleware", "Policy", "get_operation"]
+
+#: Where the request's :class:`~pg_idempotency.contract.Handling` is kept in the WSGI environ.
+ENVIRON_KEY = "pg_idempotency." + http.HANDLING_KEY
+
+StartResponse = Callable[..., Any]
+WSGIApp = Callable[[dict[str, Any], StartResponse], Iterable[bytes]]
+
+
+def get_operation(environ: Mapping[str, Any] | None = None) -> api.Operation | None:
+    """The operation of this request (None without a key): do the business writes on its
+    ``conn``, in the transaction that will commit with the stored answer. Without ``environ``
+    it is Flask's current request's. Calling it marks the view as started: behind the
+    middleware, a 4xx answered before any call (a 404, a 405, a refusal before the view's
+    work) is not the key's result and the key is released."""
+    handling = http.handling_of(environ if environ is not None else flask.request.environ,
+                                ENVIRON_KEY)
+    return http.start(handling)  # type: ignore[no-any-return]
+
+
+@dataclass
+class _Out:
+    """The handler's answer: what is stored, and the framework's own object to send."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: bytes
+    original: Any
+
+
+class _Rollback(Exception):
+    """The handler's answer is not stored: roll back and release, then send it."""
+
+
+class _Keyed:
+    """What the decorator and the middleware share: claim on ``pool``, run, store."""
+
+    def __init__(self, pool: ConnectionPool, settings: http.Settings,
+                 refuse_foreign_commits: bool) -> None:
+        self.pool = pool
+        self.settings = settings
+        self.refuse_foreign_commits = refuse_foreign_commits
+
+    def run(self, environ: dict[str, Any], caller: str | None, key: str, method: str,
+            path: str, body: bytes | None, handler: Callable[[], _Out],
+            started: bool) -> Answer | _Out:
+        if not caller:
+            return http.unknown_caller()
+        if body is None:
+            return http.incomplete_body()
+        digest = http.request_fingerprint(self.settings, method, path,
+                                          environ.get("QUERY_STRING", ""),
+                                          environ.get("CONTENT_TYPE", ""), body)
+        held = contextlib.ExitStack()  # the connection, while claimed or owned
+        op: api.Operation | None = None
+
+        def claim() -> ClaimResult:
+            nonlocal op
+            op = api.operation(held.enter_context(self.pool.connection()), caller, key, None,
+                               fingerprint=digest, lease=self.settings.lease)
+            with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
+                op.__enter__()  # its claim_result says which
+            return op.claim_result  # type: ignore[no-any-return]
+
+        def pause(seconds: float) -> None:
+            held.close()  # no connection is held while polling
+            time.sleep(seconds)
+
+        try:
+            with held:
+                claimed = http.claim_waiting(self.settings, claim, pause)
+                if isinstance(claimed, Answer):
+                    return claimed
+                assert op is not None
+                return self._execute(op, environ, handler, started)
+        except PoolTimeout:
+            return http.no_connection(self.settings)
+
+    def _execute(self, op: api.Operation, environ: dict[str, Any], handler: Callable[[], _Out],
+                 started: bool) -> Answer | _Out:
+        handling = Handling(op, started=started)
+        environ[ENVIRON_KEY] = handling
+        try:
+            try:
+                with http.guarded(op.conn, self.refuse_foreign_commits):
+                    out = handler()
+            finally:
+                for cleanup in reversed(handling.cleanups):
+                    cleanup()
+                environ.pop(ENVIRON_KEY, None)
+            if op.response is not None and op.response.completed_at is None:
+                # op.accept() handed the work to a worker and committed the interim answer:
+                # send what was stored, so that this answer and its replays are the same.
+                return http.stored_answer(op.response, replayed=False)
+            if not http.stores(self.settings, out.status, started=handling.started):
+                raise _Rollback(out.status)
+        except BaseException as exc:
+            op.__exit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, _Rollback):
+                return out
+            raise
+        stored, content_type = http.stored_parts(self.settings, out.headers)
+        try:
+            op.complete(out.status, out.body, headers=stored, content_type=content_type)
+        except (LeaseLost, AlreadyCompleted, KeyNotFound) as exc:
+            # Taken over while the view ran: its writes rolled back; the new holder's counts.
+            op.__exit__(type(exc), exc, exc.__traceback__)
+            return http.taken_over()
+        return out
+
+
+def _settings(**options: Any) -> http.Settings:
+    replay_headers = options.pop("replay_headers", DEFAULT_REPLAY_HEADERS)
+    return http.Settings(replay_headers=frozenset(replay_headers), **options)
+
+
+class Idempotency:
+    """The Flask view decorator's configuration: ``idem.idempotent`` (the key required) or
+    ``idem.idempotent(required=False)``.
+
+    - ``pool``: a ``psycopg_pool.ConnectionPool``; each keyed request holds one connection
+      until its answer is committed (no connection free in time: 503).
+    - ``scope``: ``callback(flask.request) -> str | None``, the caller's identity (None: 401).
+    - ``refuse_foreign_commits``: with :mod:`pg_idempotency.sqlalchemy` imported, a commit on
+      another SQLAlchemy connection while the view runs raises (default True).
+    - ``wait``, ``lease``, ``replay_headers``, ``header_name``, ``store_server_errors``,
+      ``fingerprint_query``, ``retry_after_max``: :class:`pg_idempotency.contract.Settings`.
+    """
+
+    def __init__(self, pool: ConnectionPool, *, scope: Callable[[flask.Request], str | None],
+                 refuse_foreign_commits: bool = True, **options: Any) -> None:
+        self.scope_of = scope
+        self._keyed = _Keyed(pool, _settings(**options), refuse_foreign_commits)
+
+    def idempotent(self, view: Callable[..., Any] | None = None, *, required: bool = True
+                   ) -> Any:
+        """Make a Flask view idempotent (``@idem.idempotent`` under ``@app.post(...)``)."""
+        policy = Policy.REQUIRED if required else Policy.OPTIONAL
+
+        def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+            @functools.wraps(fn)
+            def wrapper(*args: Any, **kwargs: Any) -> Any:
+                return self._handle(policy, lambda: fn(*args, **kwargs))
+
+            return wrapper
+
+        return decorate(view) if view is not None else decorate
+
+    def _handle(self, policy: Policy, view: Callable[[], Any]) -> Any:
+        request = flask.request
+        settings = self._keyed.settings
+        environ = request.environ
+        if http.handling_of(environ, ENVIRON_KEY) is not None:
+            return view()  # the middleware claimed it already
+        key = http.read_key(settings, policy, request.headers.get(settings.header_name),
+                            request.method, request.path)
+        if not isinstance(key, str):
+            return view() if key is None else _flask_response(key)
+
+        def handler() -> _Out:
+            response = flask.current_app.make_response(view())
+            if response.is_streamed:
+                raise TypeError("a streamed response cannot be stored: do not make streaming "
+                                "views idempotent")
+            return _Out(response.status_code, list(response.headers.items()),
+                        response.get_data(), response)
+
+        body = request.get_data(cache=True)
+        result = self._keyed.run(environ, self.scope_of(request), key, request.method,
+                                 request.path, body, handler, started=True)
+        return _flask_response(result) if isinstance(result, Answer) else result.original
+
+
+def _flask_response(answer: Answer) -> flask.Response:
+    response = flask.Response(answer.body, status=answer.status, headers=list(answer.headers))
+    if not any(name.lower() == "content-type" for name, _ in answer.headers):
+        del response.headers["Content-Type"]  # a stored answer without one stays without
+    return response
+
+
+class IdempotencyMiddleware:
+    """WSGI middleware (``app.wsgi_app = IdempotencyMiddleware(app.wsgi_app, ...)``, or around
+    any WSGI app). Options as :class:`Idempotency`, and:
+
+    - ``scope``: ``callback(environ) -> str | None``;
+    - ``routes``: ``{"POST /payments": "required", "POST /orders/{id}/refunds": "optional"}``
+      (``{name}`` matches one path segment); unlisted routes are ``default_policy``
+      (IGNORED: name the keyed routes).
+
+    The view asks for its operation with :func:`get_operation`; a 4xx before it did is not
+    stored (the key is released)."""
+
+    def __init__(self, app: WSGIApp, *, pool: ConnectionPool,
+                 scope: Callable[[dict[str, Any]], str | None],
+                 routes: Mapping[str, Policy | str] | None = None,
+                 default_policy: Policy | str = Policy.IGNORED, **options: Any) -> None:
+        self.app = app
+        self.scope_of = scope
+        self.routes = http.Routes(routes, default_policy)
+        guard = options.pop("refuse_foreign_commits", True)
+        self._keyed = _Keyed(pool, _settings(**options), guard)
+
+    def __call__(self, environ: dict[str, Any], start_response: StartResponse
+                 ) -> Iterable[bytes]:
+        method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
+        settings = self._keyed.settings
+        raw = environ.get("HTTP_" + settings.header_name.upper().replace("-", "_"))
+        key = http.read_key(settings, self.routes.policy(method, path), raw, method, path)
+        if not isinstance(key, str):
+            if key is None:
+                return self.app(environ, start_response)
+            return _start(start_response, key)
+        body = _read_body(environ)
+
+        def handler() -> _Out:
+            inner = dict(environ)  # with ENVIRON_KEY: the Handling is shared
+            inner["wsgi.input"] = io.BytesIO(body or b"")
+            inner["CONTENT_LENGTH"] = str(len(body or b""))
+            inner.pop("HTTP_TRANSFER_ENCODING", None)
+            captured: list[Any] = []
+
+            def capture(status: str, headers: list[tuple[str, str]], exc_info: Any = None
+                        ) -> Callable[[bytes], None]:
+                captured[:] = [status, headers]
+                return lambda data: None  # the legacy write(): unused by Flask and most apps
+
+            chunks = self.app(inner, capture)
+            try:
+                content = b"".join(chunks)
+            finally:
+                close = getattr(chunks, "close", None)
+                if close is not None:
+                    close()
+            status, headers = captured
+            return _Out(int(status.split(" ", 1)[0]), list(headers), content, status)
+
+        result = self._keyed.run(environ, self.scope_of(environ), key, method, path, body,
+                                 handler, started=False)
+        if isinstance(result, Answer):
+            return _start(start_response, result)
+        start_response(result.original, result.headers)
+        return [result.body]
+
+
+def _read_body(environ: dict[str, Any]) -> bytes | None:
+    """The whole body, or None when it ended before its Content-Length."""
+    stream = environ["wsgi.input"]
+    length = environ.get("CONTENT_LENGTH") or ""
+    if length.isdigit():
+        body = stream.read(int(length)) if int(length) else b""
+        return body if http.body_complete(length, body) else None
+    return stream.read() if environ.get("wsgi.input_terminated") else b""
+
+
+def _start(start_response: StartResponse, answer: Answer) -> Iterator[bytes]:
+    try:
+        phrase = HTTPStatus(answer.status).phrase
+    except ValueError:
+        phrase = ""
+    start_response(f"{answer.status} {phrase}".rstrip(), list(answer.headers))
+    return iter([answer.body])
