@@ -618,10 +618,9 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     """``idempotency.complete`` (a JSON body, or None) or, when ``body`` is bytes,
     ``idempotency.complete_bytes`` with ``content_type`` (default
     ``application/octet-stream``). Call it in the business transaction; returns completed_at.
-    Raises :class:`~pg_idempotency.errors.LeaseLost` (or its subclasses
-    :class:`~pg_idempotency.errors.LeaseLostCompleted` and
-    :class:`~pg_idempotency.errors.LeaseLostNotFound`) when this attempt no longer owns the
-    key: roll back."""
+    Raises :class:`~pg_idempotency.errors.LeaseLost` (IK001) when this attempt no longer owns
+    the key, or its subclass :class:`~pg_idempotency.errors.LeaseLostCompleted` (IK004) when
+    this very token completed it already: roll back."""
     q = _complete_query(scope, key, lease_token, status, body, headers, content_type,
                         reference_time)
     row = yield from _fenced(q, scope, key, "complete", {"status": status})
