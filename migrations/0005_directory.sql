@@ -3,11 +3,7 @@
 -- Plain SQL for any migration tool: apply the files in lexical order, each in one
 -- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).
 
--- Objects created below bind to pg_catalog, whatever the installer's search_path; the
--- installer's own value is saved here and put back at the end of the file.
-SELECT pg_catalog.set_config(
-    'idempotency.installer_search_path', pg_catalog.current_setting('search_path'), true
-);
+-- Objects created below bind to pg_catalog, whatever the installer's search_path.
 SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);
 
 -- Refuse to run again: re-running a migration would put older functions back.
@@ -1738,8 +1734,3 @@ REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
 INSERT INTO idempotency.migrations (version, name)
 VALUES (5, '0005_directory')
 ON CONFLICT (version) DO NOTHING;
-
--- The installer's search_path again, for whatever its tool runs next in this transaction.
-SELECT pg_catalog.set_config(
-    'search_path', pg_catalog.current_setting('idempotency.installer_search_path'), true
-);

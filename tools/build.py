@@ -5,10 +5,13 @@ sql/manifest.txt lists the source files (one object per file) in install order.
 
     tools/build.py                     build/sources.sql and the CREATE EXTENSION package
                                        (build/extension/), made from migrations/
-    tools/build.py --migration N NAME  (re)write migrations/NNNN_NAME.sql; only for a migration
-                                       that has not been released yet
-    tools/build.py --check             fail when the newest migration differs from what its
-                                       sources generate
+    tools/build.py --migration N NAME  (re)write migrations/NNNN_NAME.sql; refused for a
+                                       released migration
+    tools/build.py --check             fail when a released migration differs from its
+                                       checksum in migrations/SHA256SUMS, or the newest
+                                       unreleased migration from what its sources generate
+    tools/build.py --freeze N          release migration N: add its checksum to
+                                       migrations/SHA256SUMS
 
 Migration 0001 is the whole manifest. Every later migration N has a recipe,
 sql/upgrades/NNNN_NAME.sql: plain SQL (ALTER TABLE ...) plus lines
@@ -21,11 +24,20 @@ so that the migration carries only what changed since N - 1.
 
 Migrations are append-only history; sql/ is the current definition. tests/test_install.py
 checks that installing sql/ and applying migrations/ give the same schema.
+
+A release freezes its migrations: making a release tag, run `tools/build.py --freeze N` for
+each migration new in it and commit migrations/SHA256SUMS with the tag. From then on the file
+must stay byte-identical, because Flyway, Liquibase and sqitch checksum the migrations they
+applied and fail `validate` on every later upgrade when one changed. A fix to a released
+migration (even to its comments or its header) is a new migration. So is a change to what this
+script wraps around a migration: it applies from a version on (RESTORE_FROM, GUARD_FROM,
+REGRANT_FROM), never to a released one. tests/test_build.py checks all of this.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import re
 import sys
 from pathlib import Path
@@ -67,12 +79,21 @@ EXTENSION_PROLOGUE = (
 # Each migration pins search_path for its own statements first: CHECK constraints, column
 # defaults and function defaults bind their operators and functions when they are created, so
 # an installer whose search_path puts another schema first would otherwise bind them to that
-# schema's look-alikes. The pin must not outlive the file: a migration tool (Django's RunSQL,
-# Alembic's op.execute) goes on in the same transaction and records the migration in its own
-# unqualified table (django_migrations, alembic_version). So the file saves the installer's
-# value first and puts it back last (SEARCH_PATH_RESTORE), both local to the transaction.
-# (Inside CREATE EXTENSION the setting ends with the script anyway.)
+# schema's look-alikes. (Inside CREATE EXTENSION the setting ends with the script anyway.)
+# 0001-0009 were released with the pin alone, which lasts to the end of the transaction; they
+# stay so (see FROZEN), and docs/install.md shows the two statements a tool that records its
+# own bookkeeping in the same transaction puts around them (SEARCH_PATH_SAVE and
+# SEARCH_PATH_RESTORE below, as plain statements).
 SEARCH_PATH_PIN = (
+    "-- Objects created below bind to pg_catalog, whatever the installer's search_path.\n"
+    "SELECT pg_catalog.set_config('search_path', 'pg_catalog, pg_temp', true);\n\n"
+)
+# From 0010 on the pin must not outlive the file: a migration tool (Django's RunSQL, Alembic's
+# op.execute) goes on in the same transaction and records the migration in its own unqualified
+# table (django_migrations, alembic_version). So the file saves the installer's value first and
+# puts it back last, both local to the transaction.
+RESTORE_FROM = 10
+SEARCH_PATH_SAVE_PIN = (
     "-- Objects created below bind to pg_catalog, whatever the installer's search_path; the\n"
     "-- installer's own value is saved here and put back at the end of the file.\n"
     "SELECT pg_catalog.set_config(\n"
@@ -115,6 +136,9 @@ REGRANT = (
     "SELECT idempotency._reapply_grants() AS grants_reapplied;\n"
 )
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
+# Released migrations, in sha256sum's format (`cd migrations && sha256sum -c SHA256SUMS`).
+FROZEN = MIGRATIONS / "SHA256SUMS"
+FROZEN_RE = re.compile(r"^([0-9a-f]{64})  (\d{4}_[a-z0-9_]+\.sql)$")
 
 
 def manifest() -> list[Path]:
@@ -168,28 +192,91 @@ def recipe_sql(version: int, name: str) -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def migration_text(version: int, name: str) -> str:
-    if version == 1:
-        origin, body = "from sql/ (sql/manifest.txt order)", sources_sql()
-    else:
-        origin = f"from sql/upgrades/{version:04d}_{name}.sql"
-        body = recipe_sql(version, name)
+def migration_prologue(version: int, name: str) -> str:
+    """What migration ``version`` says before its body (released ones: as they were released)."""
+    origin = ("from sql/ (sql/manifest.txt order)" if version == 1
+              else f"from sql/upgrades/{version:04d}_{name}.sql")
     return (
         f"-- pg_idempotency migration {version:04d}_{name}.\n"
         f"-- Generated by tools/build.py {origin}; do not edit by hand.\n"
         "-- Plain SQL for any migration tool: apply the files in lexical order, each in one\n"
         "-- transaction (psql -1 -f FILE, Flyway, golang-migrate, Alembic op.execute).\n\n"
-        + SEARCH_PATH_PIN
+        + (SEARCH_PATH_SAVE_PIN if version >= RESTORE_FROM else SEARCH_PATH_PIN)
         + (MIGRATION_GUARD.format(version=version, label=f"{version:04d}_{name}")
            if version >= GUARD_FROM else "")
-        + body
-        + (REGRANT if version >= REGRANT_FROM else "")
+    )
+
+
+def migration_epilogue(version: int, name: str) -> str:
+    """What migration ``version`` says after its body."""
+    return (
+        (REGRANT if version >= REGRANT_FROM else "")
         + "\n-- Record this migration, whichever tool applied it.\n"
         "INSERT INTO idempotency.migrations (version, name)\n"
         f"VALUES ({version}, '{version:04d}_{name}')\n"
         "ON CONFLICT (version) DO NOTHING;\n"
-        + SEARCH_PATH_RESTORE
+        + (SEARCH_PATH_RESTORE if version >= RESTORE_FROM else "")
     )
+
+
+def migration_text(version: int, name: str) -> str:
+    body = sources_sql() if version == 1 else recipe_sql(version, name)
+    return migration_prologue(version, name) + body + migration_epilogue(version, name)
+
+
+def frozen() -> dict[str, str]:
+    """migrations/SHA256SUMS: file name -> SHA-256 of every released migration, as released."""
+    sums: dict[str, str] = {}
+    for number, line in enumerate(FROZEN.read_text().splitlines(), start=1):
+        m = FROZEN_RE.match(line)
+        if not m:
+            sys.exit(f"build.py: {FROZEN.relative_to(ROOT)} line {number} is not "
+                     f"'<sha256>  NNNN_name.sql': {line!r}")
+        sums[m.group(2)] = m.group(1)
+    return sums
+
+
+def frozen_problems() -> list[str]:
+    """Every way the migrations differ from the released ones in migrations/SHA256SUMS."""
+    sums = frozen()
+    problems = []
+    numbers = [int(MIGRATION_RE.match(f).group(1)) for f in sums]
+    if numbers != list(range(1, len(numbers) + 1)):
+        problems.append(f"{FROZEN.relative_to(ROOT)} must list 0001, 0002, ... in order "
+                        f"without gaps: {numbers}")
+    for filename, released in sums.items():
+        path = MIGRATIONS / filename
+        if not path.exists():
+            problems.append(f"released migration migrations/{filename} is missing; released "
+                            "migrations are never renamed or deleted")
+            continue
+        actual = hashlib.sha256(path.read_bytes()).hexdigest()
+        if actual != released:
+            problems.append(
+                f"released migration migrations/{filename} changed (sha256 {actual}, released "
+                f"as {released}); add a new migration instead: a tool that checksums applied "
+                "migrations (Flyway, Liquibase, sqitch) fails on a released file that changed. "
+                f"Put it back with: git checkout <release tag> -- migrations/{filename}")
+    return problems
+
+
+def freeze(version: int) -> str:
+    """Record migration ``version`` (the next unreleased one) in migrations/SHA256SUMS."""
+    sums = frozen()
+    if version != len(sums) + 1:
+        sys.exit(f"build.py: --freeze {version}: the next migration to release is "
+                 f"{len(sums) + 1:04d} ({FROZEN.relative_to(ROOT)} lists {len(sums)})")
+    path = next((p for p in migrations() if p.name.startswith(f"{version:04d}_")), None)
+    if path is None:
+        sys.exit(f"build.py: --freeze {version}: there is no migration {version:04d}")
+    number, name = MIGRATION_RE.match(path.name).groups()
+    if path.read_text() != migration_text(version, name):
+        sys.exit(f"build.py: --freeze {version}: {path.relative_to(ROOT)} is stale: run "
+                 f"tools/build.py --migration {version} {name} first")
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    with FROZEN.open("a") as out:
+        out.write(f"{digest}  {path.name}\n")
+    return f"froze {path.relative_to(ROOT)} (sha256 {digest}) in {FROZEN.relative_to(ROOT)}"
 
 
 def migrations() -> list[Path]:
@@ -245,27 +332,38 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--migration", nargs=2, metavar=("N", "NAME"))
     parser.add_argument("--check", action="store_true")
+    parser.add_argument("--freeze", type=int, metavar="N")
     args = parser.parse_args()
+    if args.freeze is not None:
+        print(freeze(args.freeze))
+        return 0
     if args.migration:
         version, name = int(args.migration[0]), args.migration[1]
         target = MIGRATIONS / f"{version:04d}_{name}.sql"
+        if target.name in frozen():
+            sys.exit(f"build.py: {target.relative_to(ROOT)} is released ({FROZEN.name} has it) "
+                     "and must stay as it is; add a new migration instead")
         target.write_text(migration_text(version, name))
         print(f"wrote {target.relative_to(ROOT)}")
         return 0
     if args.check:
-        stale = []
-        found = migrations()
-        # Only the newest migration can still match its sources: an older one is history, and
-        # the sources its recipe @replace'd have moved on since (a later migration replaces
-        # them again). tests/test_install.py checks the whole chain against sql/.
-        for path in found[-1:]:
+        problems = frozen_problems()
+        released = frozen()
+        # Only the newest migration can still match its sources, and only while it is not
+        # released: an older one is history, and the sources its recipe @replace'd have moved
+        # on since (a later migration replaces them again). tests/test_install.py checks the
+        # whole chain against sql/.
+        for path in migrations()[-1:]:
             number, name = MIGRATION_RE.match(path.name).groups()
             version = int(number)
-            if path.read_text() != migration_text(version, name):
-                stale.append(f"{path.relative_to(ROOT)} is stale: run tools/build.py "
-                             f"--migration {version} {name}")
-        print("\n".join(stale) or "migrations are up to date")
-        return 1 if stale else 0
+            if path.name not in released and path.read_text() != migration_text(version, name):
+                problems.append(f"{path.relative_to(ROOT)} is stale: run tools/build.py "
+                                f"--migration {version} {name}")
+        if problems:
+            print("\n".join(f"build.py --check: {p}" for p in problems), file=sys.stderr)
+            return 1
+        print("migrations are up to date; released ones as released")
+        return 0
     build()
     return 0
 
