@@ -12,6 +12,8 @@ from psycopg.rows import dict_row
 
 from pg_idempotency.migrate import (
     LOCK_KEY,
+    RESTORE_SEARCH_PATH,
+    SAVE_SEARCH_PATH,
     MigrationError,
     install_sql,
     migrate,
@@ -54,7 +56,8 @@ def test_bundled_migrations_are_the_repository_files() -> None:
 
 
 def test_install_sql_is_the_concatenation() -> None:
-    assert install_sql() == "".join(p.read_text(encoding="utf-8") for p in REPO_MIGRATIONS)
+    assert install_sql() == "".join(SAVE_SEARCH_PATH + p.read_text(encoding="utf-8")
+                                    + RESTORE_SEARCH_PATH for p in REPO_MIGRATIONS)
 
 
 def test_lock_key_is_the_documented_constant() -> None:
@@ -101,7 +104,12 @@ def test_migrate_after_psql_is_a_no_op(server: PgServer, empty_db: str) -> None:
 
 
 def test_migrate_after_install_sql_is_a_no_op(server: PgServer, empty_db: str) -> None:
-    server.run_psql(empty_db, install_sql(), args=("-X", "-1", "-q", "-v", "ON_ERROR_STOP=1"))
+    # install_sql() in one transaction and then the tool's own statement: the installer's
+    # search_path is back although 0001-0009 pin theirs to the end of the transaction.
+    out = server.run_psql(empty_db, install_sql() + "SELECT 'after: ' || current_setting("
+                          "'search_path');\n", args=("-X", "-1", "-q", "-v", "ON_ERROR_STOP=1",
+                                                    "-c", "SET search_path = public")).stdout
+    assert "after: public" in out, out[-2000:]
     with psycopg.connect(empty_db) as conn:
         assert migrate(conn) == []
 

@@ -12,7 +12,10 @@ is the same whichever tool applied it, and :func:`migrate` skips what another to
     [1]
 
 For another migration tool, :func:`install_sql` returns all migrations as one script and
-:func:`migrations` returns them one by one (version, name, SQL).
+:func:`migrations` returns them one by one (version, name, SQL). A tool that goes on in the
+same transaction after a file (Django's ``RunSQL``, Alembic) puts :data:`SAVE_SEARCH_PATH`
+before it and :data:`RESTORE_SEARCH_PATH` after it: 0001-0009 pin ``search_path`` until the end
+of the transaction (docs/install.md).
 """
 
 from __future__ import annotations
@@ -25,13 +28,29 @@ import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
-__all__ = ["LOCK_KEY", "Migration", "MigrationError", "install_sql", "migrate", "migrations"]
+__all__ = ["LOCK_KEY", "RESTORE_SEARCH_PATH", "SAVE_SEARCH_PATH", "Migration", "MigrationError",
+           "install_sql", "migrate", "migrations"]
 
 #: Key of the transaction-scoped advisory lock every migration transaction takes first
 #: (``pg_advisory_xact_lock(LOCK_KEY)``): the ASCII bytes ``idem_mig`` read as a big-endian
 #: bigint, 7594306392080345447. Installers racing on one database queue on it, so the
 #: first applies a migration and the others then find its version row and skip it.
 LOCK_KEY = int.from_bytes(b"idem_mig", "big")
+
+#: Run before a migration file in a transaction that goes on after it (docs/install.md): saves
+#: the installer's ``search_path``, which migrations 0001-0009 pin to ``pg_catalog, pg_temp`` until
+#: the end of the transaction (they were released so, and released files never change).
+SAVE_SEARCH_PATH = (
+    "SELECT set_config('idempotency.installer_search_path', current_setting('search_path'), "
+    "true);\n"
+)
+#: Run after the file: puts the saved ``search_path`` back, local to the transaction, so the
+#: tool's own statements (``django_migrations``, ``alembic_version``) find its tables. (From 0010
+#: on a file does both itself; the pair around it is harmless.)
+RESTORE_SEARCH_PATH = (
+    "SELECT set_config('search_path', current_setting('idempotency.installer_search_path'), "
+    "true);\n"
+)
 
 _FILE_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 
@@ -90,14 +109,16 @@ def migrations() -> list[Migration]:
 
 
 def install_sql() -> str:
-    """All bundled migrations concatenated in order: one script for another migration tool.
+    """All bundled migrations in order, each between :data:`SAVE_SEARCH_PATH` and
+    :data:`RESTORE_SEARCH_PATH`: one script for another migration tool.
 
-    Run it in one transaction (``psql -X -1 -v ON_ERROR_STOP=1 -f install.sql``). It records
-    its versions in ``idempotency.migrations``, so :func:`migrate` later applies only newer
-    migrations. On a database where some migrations are already applied, apply the missing
-    files from :func:`migrations` one by one instead.
+    Run it in one transaction (``psql -X -1 -v ON_ERROR_STOP=1 -f install.sql``); whatever runs
+    after it in that transaction has the installer's ``search_path``. It records its versions in
+    ``idempotency.migrations``, so :func:`migrate` later applies only newer migrations. On a
+    database where some migrations are already applied, apply the missing files from
+    :func:`migrations` one by one instead.
     """
-    return "".join(m.sql for m in migrations())
+    return "".join(SAVE_SEARCH_PATH + m.sql + RESTORE_SEARCH_PATH for m in migrations())
 
 
 def migrate(conn: psycopg.Connection) -> list[int]:

@@ -13,17 +13,12 @@ from typing import Any
 
 from django.db import migrations as dj_migrations
 
-from ..migrate import LOCK_KEY, Migration, MigrationError
+from ..migrate import LOCK_KEY, RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH, Migration, MigrationError
 from ..migrate import migrations as bundled
 
 # Constant statements; the version is a bound parameter.
 _LOCK = f"SELECT pg_catalog.pg_advisory_xact_lock({int(LOCK_KEY)})"
 _HAS_TABLE = "SELECT pg_catalog.to_regclass('idempotency.migrations') IS NOT NULL"
-_SEARCH_PATH = "SELECT pg_catalog.current_setting('search_path')"
-# Django records the migration in django_migrations in the file's transaction, so the
-# search_path must be the installer's again afterwards. Every file puts it back itself now
-# (tools/build.py); this stays for a file that might not (belt and braces).
-_RESTORE_SEARCH_PATH = "SELECT pg_catalog.set_config('search_path', %s, true)"
 _RECORDED = "SELECT EXISTS (SELECT FROM idempotency.migrations WHERE version = %s::integer)"
 
 
@@ -54,19 +49,14 @@ class ApplyBundledMigration(dj_migrations.operations.base.Operation):
         migration = bundled_migration(self.name)
         if schema_editor.collect_sql:  # sqlmigrate
             schema_editor.execute(_LOCK, params=None)
-            schema_editor.execute(migration.sql, params=None)
+            _apply(schema_editor, migration)
             return
         with schema_editor.connection.cursor() as cursor:
             cursor.execute(_LOCK)
             if _is_applied(cursor, migration.version):
                 return
-            cursor.execute(_SEARCH_PATH)
-            search_path = cursor.fetchone()[0]
-        # params=None: the file goes as it is (one simple-protocol query; '%' is not a
-        # placeholder).
-        schema_editor.execute(migration.sql, params=None)
+        _apply(schema_editor, migration)
         with schema_editor.connection.cursor() as cursor:
-            cursor.execute(_RESTORE_SEARCH_PATH, [search_path])
             if not _is_applied(cursor, migration.version):
                 raise MigrationError(f"migration {migration.name} did not record version "
                                      f"{migration.version} in idempotency.migrations")
@@ -79,6 +69,16 @@ class ApplyBundledMigration(dj_migrations.operations.base.Operation):
 
     def describe(self) -> str:
         return f"Apply the bundled pg_idempotency migration {self.name}.sql"
+
+
+def _apply(schema_editor: Any, migration: Migration) -> None:
+    # Django records the migration in django_migrations in this transaction, and 0001-0009 pin
+    # search_path until its end: the installer's is saved before the file and put back after it
+    # (docs/install.md). params=None: the file goes as it is (one simple-protocol query; '%' is
+    # not a placeholder).
+    schema_editor.execute(SAVE_SEARCH_PATH, params=None)
+    schema_editor.execute(migration.sql, params=None)
+    schema_editor.execute(RESTORE_SEARCH_PATH, params=None)
 
 
 def _is_applied(cursor: Any, version: int) -> bool:
