@@ -16,6 +16,7 @@ from psycopg import sql
 
 import pg_idempotency as idem
 from pg_idempotency import cli
+from pg_idempotency.migrate import RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH
 from pgharness import PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -89,7 +90,9 @@ def test_no_command_is_a_usage_error() -> None:
 def test_sql_prints_the_migrations() -> None:
     proc = run("sql")
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "".join(p.read_text(encoding="utf-8") for p in MIGRATIONS)
+    # Each file between the pair that keeps the installer's search_path (docs/install.md).
+    assert proc.stdout == "".join(SAVE_SEARCH_PATH + p.read_text(encoding="utf-8")
+                                  + RESTORE_SEARCH_PATH for p in MIGRATIONS)
 
 
 def test_migrate_then_up_to_date(empty_db: str) -> None:

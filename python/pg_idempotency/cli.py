@@ -364,7 +364,8 @@ COMMANDS: list[Command] = [
     Command(
         "sql", run=cmd_sql,
         help="print the install SQL (all migrations) to stdout",
-        description="Print every bundled migration, concatenated in order, for another "
+        description="Print every bundled migration, concatenated in order, each between two "
+        "statements that save and restore the installer's search_path, for another "
         "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
         "-d DSN. The script records its versions in idempotency.migrations, so a later "
         "'pg-idempotency migrate' applies only newer migrations.",
