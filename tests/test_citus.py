@@ -68,19 +68,26 @@ class Cluster:
         return next(w.dsn(self.db) for w in self.workers if w.port == port)
 
 
-@pytest.fixture(scope="session")
-def citus(citus_cluster: Any) -> Iterator[Cluster]:
-    db = f"idem_citus_{uuid.uuid4().hex[:8]}"
+def installed(citus_cluster: Any, prefix: str, shards: int) -> Cluster:
+    """A new database on every node, installed as docs/scale-out.md says: the migrations on the
+    coordinator, then distribute(shards)."""
+    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
     citus_cluster.create_database(db)
     c = Cluster(citus_cluster, db)
     for migration in sorted(MIGRATIONS.glob("*.sql")):
         c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
     with psycopg.connect(c.dsn, autocommit=True) as conn:
-        # Eight shards: enough for two nodes and a move, fewer than the default 32 to keep
-        # the cluster quick on two cores.
-        done = conn.execute("SELECT object, action FROM idempotency.distribute(8)").fetchall()
+        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s)",
+                            (shards,)).fetchall()
     assert ("idempotency.keys", "distributed by scope") in done
-    yield c
+    return c
+
+
+@pytest.fixture(scope="session")
+def citus(citus_cluster: Any) -> Iterator[Cluster]:
+    # Eight shards: enough for two nodes and a move, fewer than the default 32 to keep the
+    # cluster quick on two cores.
+    yield installed(citus_cluster, "idem_citus", 8)
 
 
 def _scope() -> str:
@@ -495,13 +502,7 @@ def test_asgi_middleware_through_the_coordinator(citus_cluster: Any) -> None:
 
     from payments_helpers import payments, uvicorn_server
 
-    db = f"idem_mw_{uuid.uuid4().hex[:8]}"
-    citus_cluster.create_database(db)
-    c = Cluster(citus_cluster, db)
-    for migration in sorted(MIGRATIONS.glob("*.sql")):
-        c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
-    with psycopg.connect(c.dsn, autocommit=True) as conn:
-        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+    c = installed(citus_cluster, "idem_mw", 4)
     processor = payments.FakeProcessor(delay=0.3)
     app = payments.create_app(c.dsn, processor, wait=20)
 
@@ -728,11 +729,4 @@ def test_other_runners_through_the_coordinator(conformance_citus: str,
 @pytest.fixture(scope="session")
 def conformance_citus(citus_cluster: Any) -> Iterator[str]:
     """A database of its own (the scenarios TRUNCATE the tables), distributed."""
-    db = f"idem_conf_{uuid.uuid4().hex[:8]}"
-    citus_cluster.create_database(db)
-    c = Cluster(citus_cluster, db)
-    for migration in sorted(MIGRATIONS.glob("*.sql")):
-        c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
-    with psycopg.connect(c.dsn, autocommit=True) as conn:
-        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
-    yield c.dsn
+    yield installed(citus_cluster, "idem_conf", 4).dsn
