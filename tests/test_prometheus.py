@@ -7,10 +7,13 @@ states, the gauges read in SQL, then scraped through Debian's prometheus-postgre
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import shutil
 import subprocess
+import sys
+import threading
 import time
 import urllib.request
 import uuid
@@ -244,6 +247,84 @@ def test_the_postgres_exporter_scrapes_our_metrics(
             assert one(s, "pg_idempotency_maintain_last_run_age_seconds",
                        'outcome="ok"') < 60
             assert "pg_idempotency_scope_keys_in_progress" not in s
+
+
+def test_the_exporter_follows_the_retry_storm_demo(
+    server: PgServer, db: str, tmp_path: Path
+) -> None:
+    """`make run`'s retry storm (tools/run.py: install, then `pg-idempotency demo`), small,
+    against this test's database, with one exporter scraped before, during and after it, and a
+    second one after maintain(): the gauges move and end at the values SQL counts."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import run  # tools/run.py, what `make run` runs
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    counts = ("SELECT count(*), count(*) FILTER (WHERE state = 'in_progress'), "
+              "count(*) FILTER (WHERE state = 'released') FROM idempotency.keys")
+    with monitor_role(server, db) as role:
+        dsn = db.replace("postgres@", f"{role}@", 1) + "?sslmode=disable"
+        with exporter(dsn, tmp_path) as url:
+            before = scrape(url)
+            assert one(before, "pg_idempotency_keys_total_estimate") == 0
+            assert one(before, "pg_idempotency_keys_completed_estimate") == 0
+            assert one(before, "pg_idempotency_keys_in_progress") == 0
+            assert one(before, "pg_idempotency_maintain_last_run_age_seconds",
+                       'outcome="never"') == float("inf")
+
+            run.install(db)
+            summary = tmp_path / "storm.json"
+            codes: list[int] = []
+            storm = threading.Thread(target=lambda: codes.append(run.demo(
+                db, ["--clients", "2", "--payments", "10", "--seed", "6", "--json"],
+                stdout=summary)))
+            storm.start()
+            during = []
+            while storm.is_alive():
+                during.append(scrape(url))
+                time.sleep(0.3)
+            storm.join()
+            assert codes == [0], (tmp_path / "storm.json").read_text()
+            protected = json.loads(summary.read_text())["protected"]
+            assert protected["intents"] == 20
+            assert protected["duplicate_charges"] == protected["lost_payments"] == 0
+
+            with psycopg.connect(db, autocommit=True) as conn:
+                keys, in_progress, released = conn.execute(counts).fetchone()
+            assert keys == protected["intents"]  # one key per payment on the protected side
+            # The uncached gauge catches up with the table once the statistics are flushed.
+            deadline = time.monotonic() + 15
+            after = scrape(url)
+            while (one(after, "pg_idempotency_keys_total_estimate") != keys
+                   and time.monotonic() < deadline):
+                time.sleep(0.3)
+                after = scrape(url)
+            totals = [one(s, "pg_idempotency_keys_total_estimate")
+                      for s in (before, *during, after)]
+            assert len(during) >= 2, totals
+            assert totals[-1] == keys, totals
+            assert totals == sorted(totals), totals  # keys are only added in the storm
+            assert any(0 < t < keys for t in totals[1:-1]), totals  # seen mid-storm
+            # The scan-based gauges are cached for 60 s (cache_seconds): this process still
+            # shows what its first scrape saw.
+            assert one(after, "pg_idempotency_keys_completed_estimate") == 0
+
+        with psycopg.connect(db, autocommit=True) as conn:
+            steps = conn.execute("SELECT count(*) FROM idempotency.maintain()").fetchone()[0]
+            m = metrics(conn)
+            assert conn.execute(counts).fetchone() == (keys, in_progress, released)
+        with exporter(dsn, tmp_path) as url:
+            last = scrape(url)
+        assert one(last, "pg_idempotency_keys_total_estimate") == keys
+        assert one(last, "pg_idempotency_keys_in_progress") == in_progress
+        assert one(last, "pg_idempotency_keys_released") == released
+        assert one(last, "pg_idempotency_keys_completed_estimate") == (
+            keys - in_progress - released) > 0
+        assert one(last, "pg_idempotency_maintain_last_run_age_seconds", 'outcome="ok"') < 60
+        for column in ("created", "dropped", "rows_changed", "skipped_steps"):
+            assert one(last, f"pg_idempotency_maintain_last_{column}") == (
+                m[f"maintain_last_{column}"]), column
+        assert m["maintain_last_created"] + m["maintain_last_dropped"] <= steps
 
 
 # -- the alert rules ---------------------------------------------------------------------------

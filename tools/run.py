@@ -37,10 +37,15 @@ def install(dsn: str) -> None:
             print(f"installed migration {version:04d}", flush=True)
 
 
-def demo(dsn: str, args: list[str]) -> int:
+def demo(dsn: str, args: list[str], stdout: Path | None = None) -> int:
+    """Run `pg-idempotency demo ARGS` against dsn; its output goes to stdout (a file) if given
+    (tests/test_prometheus.py runs a small storm this way), else to the terminal."""
     # The demo reads the DSN from the environment: a password stays off the command line.
     env = dict(os.environ, DATABASE_URL=dsn)
-    return subprocess.run([str(CLI), "demo", *args], env=env).returncode
+    if stdout is None:
+        return subprocess.run([str(CLI), "demo", *args], env=env).returncode
+    with stdout.open("w") as out:
+        return subprocess.run([str(CLI), "demo", *args], env=env, stdout=out).returncode
 
 
 def _sigterm(signum: int, frame: object) -> None:
