@@ -10,7 +10,9 @@
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
-#                bench/retention.py, bench/citus.py); results in docs/benchmarks.md.
+#                bench/retention.py, bench/citus.py), then bench/targets.py: issue 22's
+#                targets, met or not, and docs/benchmarks-server-time.png; results in
+#                docs/benchmarks.md.
 #                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
 #                (it prints the commands when it is missing)
 #   make clean   remove .venv, build/ and caches
@@ -147,13 +149,19 @@ run: $(STAMP)
 
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
-	$(AS_TEST_USER) $(PY) bench/run.py
-	@# the plot is written where the test user may write, then put in docs/
+	@# the scripts' figures go to build/bench/*.json (where the test user may write), and
+	@# bench/targets.py prints issue 22's targets from them at the end; a stale file is removed
+	@# first so that a failed run shows as "not measured"
+	mkdir -p build/bench && rm -f build/bench/*.json && chown -R $(TEST_USER) build/bench 2>/dev/null || true
+	$(AS_TEST_USER) $(PY) bench/run.py --clients 4,8 --json build/bench/run.json
+	@# the plots are written where the test user may write, then put in docs/
 	$(AS_TEST_USER) $(PY) bench/partitions.py --plot build/benchmarks-partitions.png
 	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
-	$(AS_TEST_USER) $(PY) bench/http.py
+	$(AS_TEST_USER) $(PY) bench/http.py --json build/bench/http.json
 	$(AS_TEST_USER) $(PY) bench/retention.py
-	$(AS_TEST_USER) $(PY) bench/citus.py
+	$(AS_TEST_USER) $(PY) bench/citus.py --json build/bench/citus.json
+	$(AS_TEST_USER) $(PY) bench/targets.py --plot build/bench/server-time.png
+	cp build/bench/server-time.png docs/benchmarks-server-time.png
 
 clean:
 	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log

@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import psycopg  # noqa: E402
+from pgproc import clock_ticks, cpu_delta, server_cpu  # noqa: E402
 
 import pgharness  # noqa: E402
 from citus_cluster import CitusCluster  # noqa: E402
@@ -325,31 +326,6 @@ def print_hops(results: list[Hops]) -> None:
 
 
 # -- 2. and 3. throughput and server time -------------------------------------------------------
-
-def clock_ticks() -> int:
-    return int(subprocess.run(["getconf", "CLK_TCK"], capture_output=True, text=True,
-                              check=True).stdout)
-
-
-def server_cpu(server: pgharness.PgServer) -> dict[int, int]:
-    """CPU ticks (user + system) of the postmaster and each of its children, by pid."""
-    pm = int((server.datadir / "postmaster.pid").read_text().split()[0])
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            text = stat.read_text()
-        except OSError:
-            continue
-        fields = text[text.rindex(")") + 2:].split()
-        pid, ppid = int(stat.parent.name), int(fields[1])
-        if pid == pm or ppid == pm:
-            out[pid] = int(fields[11]) + int(fields[12])
-    return out
-
-
-def cpu_delta(before: dict[int, int], after: dict[int, int]) -> int:
-    return sum(t - before.get(pid, 0) for pid, t in after.items())
-
 
 CALLS = """
 SELECT coalesce(sum(calls) FILTER (WHERE query ~ 'idempotency\\.claim\\('), 0)::bigint,

@@ -37,6 +37,14 @@ After every measurement the ledger is checked for duplicates (rows whose ref app
 once): for middleware and recipe there must be none (the exit status is 1 otherwise); for none
 the replayed requests are duplicates by construction. Status counts, and the uvicorn process's
 CPU time per answer (from /proc, Linux only), cover the warm-up too.
+PostgreSQL's own cost per answer is taken over the measuring window only (the truncation and
+the warm-up are outside it): the client prints a line when the window opens and when it closes,
+and at each the driver snapshots, from a connection to another database, the top-level
+statements' execution time and calls in the bench database (``pg_stat_statements``, preloaded,
+``track = top``, BEGIN and COMMIT included), ``pg_current_wal_insert_lsn()`` and the CPU ticks
+of every process of the server (bench/pgproc.py). It prints, per variant and load, statement
+time, CPU and WAL bytes per request with ours (middleware) over recipe and over none per round
+and their medians; bench/targets.py reads them from --json.
 This is a benchmark, not a test: apart from the duplicate count it prints numbers only.
 
     .venv/bin/python bench/http.py [--seconds 5] [--rounds 3] [--clients 16,64]
@@ -78,11 +86,29 @@ from psycopg_pool import AsyncConnectionPool  # noqa: E402
 
 from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation  # noqa: E402
 
+
+def _bench_module(name: str) -> Any:
+    """A module from bench/, whose directory is off the import path (see above)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pgproc = _bench_module("pgproc")
+
 VARIANTS = ("none", "middleware", "recipe")
 LOADS = ("fresh", "replay30")
 REPLAY_SHARE = 0.30
 PROCESSOR_DELAY = 0.002
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+# Server time per request: top-level statements only (what the application sends; a function's
+# inner statements are inside its call's time), utility statements (BEGIN, COMMIT) included.
+STATS_CONF = {"shared_preload_libraries": "pg_stat_statements",
+              "pg_stat_statements.track": "top", "pg_stat_statements.track_utility": "on"}
 
 SCHEMA_SQL = """
 CREATE TABLE ledger (ref text, account text, amount int);
@@ -91,6 +117,12 @@ CREATE TABLE recipe_keys (
     response_code int, response_body text,
     PRIMARY KEY (account, key)
 );
+"""
+PG_COUNTERS = """
+SELECT coalesce(sum(total_exec_time), 0)::float8, coalesce(sum(calls), 0)::bigint,
+       pg_current_wal_insert_lsn()::text
+FROM pg_stat_statements WHERE toplevel AND dbid = (SELECT oid FROM pg_database
+                                                    WHERE datname = 'bench')
 """
 TRUNCATE_SQL = "TRUNCATE ledger, recipe_keys, idempotency.keys"
 DUPLICATES_SQL = """
@@ -291,11 +323,14 @@ async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
 
     tasks = [asyncio.create_task(worker(i)) for i in range(cfg["clients"])]
     await asyncio.sleep(cfg["warmup"])
+    # the driver snapshots the server's counters when it reads these lines
+    print("window start", flush=True)
     state["measuring"] = True
     start = time.perf_counter()
     await asyncio.sleep(cfg["seconds"])
     state["measuring"], state["stop"] = False, True  # at once: the window is exact
     elapsed = time.perf_counter() - start
+    print("window end", flush=True)
     await asyncio.gather(*tasks)  # each finishes its request in flight
     latencies.sort()
 
@@ -352,21 +387,56 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def measure(conn: Any, variant: str, server: subprocess.Popen[bytes], port: int, clients: int,
-            load: str, tag: str, args: argparse.Namespace) -> dict[str, Any]:
+def pg_snapshot(pg: Any, stats: Any) -> dict[str, Any]:
+    """The server's counters now: top-level statements' execution time and calls in the bench
+    database (``stats`` is a connection to another database, so its own queries are not
+    counted), the WAL insert position, and the CPU ticks of all its processes."""
+    ms, calls, lsn = stats.execute(PG_COUNTERS).fetchone()
+    return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": pgproc.server_cpu(pg)}
+
+
+def pg_window(before: dict[str, Any], after: dict[str, Any], stats: Any,
+              requests: int) -> dict[str, float]:
+    """Per request over the window between two snapshots."""
+    n = max(requests, 1)
+    wal = stats.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)::float8",
+                        (after["lsn"], before["lsn"])).fetchone()[0]
+    ticks = pgproc.cpu_delta(before["cpu"], after["cpu"])
+    return {"stmt_ms": (after["exec_ms"] - before["exec_ms"]) / n,
+            "stmts": (after["calls"] - before["calls"]) / n,
+            "pg_cpu_ms": ticks * 1000 / pgproc.clock_ticks() / n,
+            "wal_bytes": wal / n}
+
+
+def measure(conn: Any, stats: Any, pg: Any, variant: str, server: subprocess.Popen[bytes],
+            port: int, clients: int, load: str, tag: str,
+            args: argparse.Namespace) -> dict[str, Any]:
+    # truncation and warm-up are outside the server window: it opens when the client says
+    # that its measuring starts (after --warmup) and closes when it stops counting
     conn.execute(TRUNCATE_SQL)
     cpu_before = cpu_seconds(server.pid)
     cfg = {"port": port, "clients": clients, "load": load, "prefix": tag,
            "warmup": args.warmup, "seconds": args.seconds}
-    out = subprocess.run([sys.executable, str(SELF), "--client", json.dumps(cfg)],
-                         capture_output=True, text=True, check=False,
-                         timeout=args.warmup + args.seconds + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"the load client failed:\n{out.stdout}\n{out.stderr}")
-    result = json.loads(out.stdout)
+    client = subprocess.Popen([sys.executable, str(SELF), "--client", json.dumps(cfg)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert client.stdout is not None
+    snaps = []
+    for expected in ("window start", "window end"):
+        line = client.stdout.readline().strip()
+        if line != expected:
+            client.kill()
+            raise SystemExit(f"the load client said {line!r}:\n{client.communicate()}")
+        snaps.append(pg_snapshot(pg, stats))
+    stdout, stderr = client.communicate(timeout=args.warmup + args.seconds + 120)
+    if client.returncode != 0:
+        raise SystemExit(f"the load client failed:\n{stdout}\n{stderr}")
+    result = json.loads(stdout)
     answers = sum(result["statuses"].values())
     # the uvicorn process's CPU per answer, warm-up included (the client's start-up is idle)
     result["server_cpu_ms"] = (cpu_seconds(server.pid) - cpu_before) * 1000 / max(answers, 1)
+    # PostgreSQL's cost per answer counted in the window (the requests in flight at its two
+    # edges are the same in number, steady state, so they roughly cancel)
+    result.update(pg_window(snaps[0], snaps[1], stats, result["measured"]))
     result["duplicates"], result["ledger_rows"] = conn.execute(DUPLICATES_SQL).fetchone()
     return result
 
@@ -376,8 +446,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
     import pgharness
 
-    with pgharness.PgServer(pgharness.flavour_bindir("pg15"), extra_conf=DURABLE,
+    with pgharness.PgServer(pgharness.flavour_bindir("pg15"),
+                            extra_conf={**DURABLE, **STATS_CONF},
                             name="bench-http") as server:
+        server.run_psql(server.dsn(), "CREATE EXTENSION pg_stat_statements")
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
         dsn = server.dsn("bench")
         for migration in sorted((ROOT / "migrations").glob("*.sql")):
@@ -389,7 +461,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         servers = start_servers(dsn, args.pool)
         results = []
         try:
-            with psycopg.connect(dsn, autocommit=True) as conn:
+            with psycopg.connect(dsn, autocommit=True) as conn, \
+                    psycopg.connect(server.dsn(), autocommit=True) as stats:
                 for clients in args.clients:
                     for load in args.loads:
                         rounds = []
@@ -398,13 +471,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                             for variant in VARIANTS:
                                 tag = f"{variant[0]}{clients}{load[0]}{r}"
                                 proc, port = servers[variant]
-                                res = measure(conn, variant, proc, port, clients, load, tag,
-                                              args)
+                                res = measure(conn, stats, server, variant, proc, port,
+                                              clients, load, tag, args)
                                 per[variant] = res
                                 print(f"  {load:8s} c={clients:<3d} round {r + 1}  "
                                       f"{variant:10s} {res['rps']:7.0f} req/s  "
                                       f"p50 {res['p50_ms']:5.1f} ms  p99 {res['p99_ms']:6.1f} ms"
-                                      f"  server CPU {res['server_cpu_ms']:4.2f} ms/req"
+                                      f"  uvicorn CPU {res['server_cpu_ms']:4.2f} ms/req"
+                                      f"  PG: stmt {res['stmt_ms']:.3f} ms"
+                                      f" ({res['stmts']:.1f} stmts)"
+                                      f" CPU {res['pg_cpu_ms']:.3f} ms"
+                                      f" WAL {res['wal_bytes']:4.0f} B /req"
                                       f"  replayed {res['replayed']:5d}  "
                                       f"non-2xx {res['non_2xx']}  "
                                       f"dup rows {res['duplicates']}  "
@@ -419,11 +496,22 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return results
 
 
+PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "wal_bytes")
+
+
 def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
     def total(variant: str, field: str) -> int:
         return sum(r[variant][field] for r in rounds)
 
+    # per round, ours (middleware) over recipe and over none, for every per-request figure
+    ratios = {f"{field}_over_{base}": [r["middleware"][field] / r[base][field]
+                                       if r[base][field] else float("nan") for r in rounds]
+              for field in PER_REQUEST for base in ("recipe", "none")}
     return {
+        "ratios": ratios,
+        "ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
+        "per_request": {field: {v: statistics.median(r[v][field] for r in rounds)
+                                for v in VARIANTS} for field in PER_REQUEST},
         "clients": clients, "load": load, "rounds": rounds,
         **{f"{v}_rps": statistics.median(r[v]["rps"] for r in rounds) for v in VARIANTS},
         "middleware_over_none": statistics.median(
@@ -435,6 +523,29 @@ def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str
         "server_cpu_ms": {v: statistics.median(r[v]["server_cpu_ms"] for r in rounds)
                           for v in VARIANTS},
     }
+
+
+def print_server_cost(results: list[dict[str, Any]]) -> None:
+    labels = {"rps": "requests/s", "stmt_ms": "statement ms/req", "pg_cpu_ms": "PG CPU ms/req",
+              "wal_bytes": "WAL bytes/req"}
+    print("\nPostgreSQL's cost per request in the measuring window (medians of the rounds; "
+          "statement time: pg_stat_statements, top level; CPU: every server process, /proc; "
+          "WAL: pg_current_wal_insert_lsn delta), and ours (middleware) over recipe and none, "
+          "per round and median:\n")
+    print("| load | figure | none | recipe | ours | ours/recipe per round (median) "
+          "| ours/none per round (median) |")
+    print("|---|---|---:|---:|---:|---|---|")
+    for r in results:
+        for field, label in labels.items():
+            per, fmt = r["per_request"][field], ".3f" if field.endswith("_ms") else ".0f"
+            cells = []
+            for base in ("recipe", "none"):
+                key = f"{field}_over_{base}"
+                cells.append(", ".join(f"{x:.2f}" for x in r["ratios"][key])
+                             + f" (**{r['ratio_medians'][key]:.2f}**)")
+            print(f"| {r['load']}, {r['clients']} clients | {label} | {per['none']:{fmt}} "
+                  f"| {per['recipe']:{fmt}} | {per['middleware']:{fmt}} | {cells[0]} "
+                  f"| {cells[1]} |")
 
 
 def main() -> int:
@@ -482,6 +593,7 @@ def main() -> int:
               f"| {cpu['none']:.2f}, {cpu['middleware']:.2f}, {cpu['recipe']:.2f} |")
     print(f"\n(none's duplicates are its replayed requests, by construction; "
           f"took {time.monotonic() - started:.0f}s)")
+    print_server_cost(results)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,

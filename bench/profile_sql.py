@@ -15,12 +15,30 @@ Workloads (``--workload``):
   floor       bench/floor.pgbench: the bare statements in minimal PL/pgSQL functions
   bare        bench/bare.pgbench: INSERT ... ON CONFLICT + UPDATE on a plain table
 
+Since 0.9.0 claim takes no advisory lock: its ``INSERT ... ON CONFLICT DO NOTHING`` into
+``key_directory`` is the arbiter (one owner per key), then it inserts the key row; complete
+(``complete_bytes`` for the middleware) reads the key's directory row for its partition and
+calls the generated route ``_complete_row`` (the fenced UPDATE) through ``_finish``: three
+PL/pgSQL levels.
+
+``--ablate`` measures what each part of claim costs instead: copies of ``idempotency.claim``
+(from ``pg_get_functiondef``, so always the installed one) with one part taken out, all called
+in turn in each pgbench transaction with keys of their own, so they share the machine's noise;
+``track_functions`` gives each copy's time per call, and the difference to the unchanged copy
+is that part's cost. The copies are: ``same`` (unchanged), ``no_secdef`` (not SECURITY
+DEFINER), ``no_plan_mode`` (no ``SET plan_cache_mode``), ``no_path`` (no ``SET search_path``),
+``no_checks`` (no argument and isolation checks), ``const_token`` (``coalesce(previous, 0) +
+1`` instead of ``_new_token``: no gen_random_uuid, clock or bit casts), ``no_keys_insert`` (the
+directory insert alone: the key row's insert costs the difference). The same is done for
+complete_bytes: ``same``, ``no_secdef``, ``no_checks`` (content type check), and ``inline``
+(the body of ``_finish`` pasted into it: one PL/pgSQL level less).
+
 ``pg_stat_statements`` times a statement's execution, not its executor start-up and shut-down,
 nor the PL/pgSQL around it: a function's own time minus its statements' is that rest. This is
 a profile, not a benchmark: absolute numbers move with the machine's load, proportions less.
 
     .venv/bin/python bench/profile_sql.py [--workload middleware] [--server pg15]
-                                          [--seconds 10] [--clients 2]
+                                          [--seconds 10] [--clients 2] [--ablate]
 """
 
 from __future__ import annotations
@@ -55,8 +73,102 @@ STATEMENTS = """
 SELECT calls, round((total_exec_time / calls * 1000)::numeric, 1) AS us, toplevel,
        left(regexp_replace(query, '\\s+', ' ', 'g'), 110) AS query
 FROM pg_stat_statements WHERE calls >= 100 AND query NOT LIKE '%pg_stat%'
-ORDER BY total_exec_time DESC LIMIT 15
+ORDER BY total_exec_time DESC LIMIT 25
 """
+# (name, [(pattern, replacement)]): copies of claim with one part taken out
+CLAIM_ABLATIONS = [
+    ("same", []),
+    ("no_secdef", [(r"\n\s*SECURITY DEFINER[^\n]*", "")]),
+    ("no_plan_mode", [(r"\n\s*SET plan_cache_mode[^\n]*", "")]),
+    ("no_path", [(r"\n\s*SET search_path[^\n]*", "")]),
+    ("no_checks", [(r"IF NOT coalesce\(idempotency\._name_ok.*?END IF;", ""),
+                   (r"IF current_setting\('transaction_isolation'\).*?END IF;", "")]),
+    ("const_token", [(r"idempotency\._new_token\(v_previous\)", "coalesce(v_previous, 0) + 1")]),
+    ("no_keys_insert", [(r"INSERT INTO idempotency\.keys AS k.*?INTO v_result;",
+                         "v_result.outcome := 'claimed';")]),
+]
+COMPLETE_ABLATIONS = [
+    ("same", []),
+    ("no_secdef", [(r"\n\s*SECURITY DEFINER[^\n]*", "")]),
+    ("no_checks", [(r"IF \(complete_bytes\.body IS NOT NULL.*?END IF;", "")]),
+]
+
+
+def ablation_copy(definition: str, fn: str, name: str, edits: list[tuple[str, str]]) -> str:
+    """The function's CREATE statement, renamed idempotency.{fn}_ab_{name}, edited."""
+    new = f"{fn}_ab_{name}"
+    out = definition
+    for pattern, repl in edits:
+        out, n = re.subn(pattern, repl, out, count=1, flags=re.S)
+        if n != 1:
+            raise SystemExit(f"ablation {name}: {pattern!r} not found in {fn}: stale ablation")
+    out = out.replace(f"FUNCTION idempotency.{fn}(", f"FUNCTION idempotency.{new}(", 1)
+    return re.sub(rf"\b{fn}\.", f"{new}.", out)  # the parameters, qualified by the name
+
+
+def inline_finish(complete: str, finish: str) -> str:
+    """complete_bytes with _finish's body in place of its call: one PL/pgSQL level less."""
+    body = re.search(r"AS \$function\$(.*)\$function\$", finish, re.S).group(1)
+    decl = re.search(r"DECLARE(.*?)BEGIN", body, re.S).group(1)
+    stmts = re.search(r"BEGIN(.*)END;", body, re.S).group(1)
+    args = ["'idempotency.complete_bytes'", "complete_bytes_ab_inline.scope",
+            "complete_bytes_ab_inline.key", "complete_bytes_ab_inline.lease_token",
+            "complete_bytes_ab_inline.status",
+            "coalesce(complete_bytes_ab_inline.headers, '{}')", "NULL::jsonb",
+            "complete_bytes_ab_inline.body", "complete_bytes_ab_inline.content_type",
+            "complete_bytes_ab_inline.reference_time"]
+    names = ["fn", "scope", "key", "lease_token", "status", "headers", "body", "body_bytes",
+             "content_type", "reference_time"]
+    # longest first: body_bytes before body
+    for name, arg in sorted(zip(names, args, strict=True), key=lambda p: -len(p[0])):
+        decl = decl.replace(f"_finish.{name}", f"({arg})")
+        stmts = stmts.replace(f"_finish.{name}", f"({arg})")
+    out = ablation_copy(complete, "complete_bytes", "inline", [])
+    head, _, _ = out.partition("AS $function$")
+    return (head.replace("SET search_path", "SET plan_cache_mode = force_generic_plan\n SET "
+                         "search_path", 1)
+            + f"AS $function$\nDECLARE{decl}BEGIN\n{stmts}END;\n$function$")
+
+
+def ablation_script(db: str, path: Path) -> list[Path]:
+    """Create the copies and write the pgbench script that calls each in turn."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        get = ("SELECT pg_get_functiondef(p.oid) FROM pg_proc p JOIN pg_namespace n "
+               "ON n.oid = p.pronamespace WHERE n.nspname = 'idempotency' AND p.proname = %s")
+        claim = conn.execute(get, ("claim",)).fetchone()[0]
+        complete = conn.execute(get, ("complete_bytes",)).fetchone()[0]
+        finish = conn.execute(get, ("_finish",)).fetchone()[0]
+        for name, edits in CLAIM_ABLATIONS:
+            conn.execute(ablation_copy(claim, "claim", name, edits))
+        for name, edits in COMPLETE_ABLATIONS:
+            conn.execute(ablation_copy(complete, "complete_bytes", name, edits))
+        conn.execute(inline_finish(complete, finish))
+    lines = ["-- claim ablation (bench/profile_sql.py --ablate)",
+             "\\set k random(1, 1000000000000)"]
+    for name, _ in CLAIM_ABLATIONS:
+        lines.append(f"SELECT lease_token AS tok_{name} FROM idempotency.claim_ab_{name}("
+                     f"'acct_1', 'k' || :k || '{name}', NULL, fingerprint => "
+                     "sha256('POST /payments {\"amount\":50}'::bytea)) \\gset")
+    # each complete copy completes one of the keys just claimed (not no_keys_insert's: it has
+    # no key row)
+    completes = [name for name, _ in COMPLETE_ABLATIONS] + ["inline"]
+    for name, claimed in zip(completes, [n for n, _ in CLAIM_ABLATIONS], strict=False):
+        lines.append(f"SELECT idempotency.complete_bytes_ab_{name}('acct_1', 'k' || :k || "
+                     f"'{claimed}', :tok_{claimed}, 201, '\\x7b7d'::bytea, "
+                     "'application/json', '{}');")
+    # one script per rotation of the claims (pgbench picks one per transaction), so that no
+    # copy always runs first (the first call of a transaction is the slowest)
+    head, claims, tail = lines[:2], lines[2:2 + len(CLAIM_ABLATIONS)], lines[2 + len(
+        CLAIM_ABLATIONS):]
+    paths = []
+    for i in range(len(claims)):
+        rotated = path.with_name(f"{path.stem}{i}.pgbench")
+        rotated.write_text("\n".join(head + claims[i:] + claims[:i] + tail[i % len(tail):]
+                                     + tail[:i % len(tail)]) + "\n")
+        paths.append(rotated)
+    return paths
+
+
 FUNCTIONS = """
 SELECT funcname, calls, round((total_time / calls * 1000)::numeric, 1) AS total_us,
        round((self_time / calls * 1000)::numeric, 1) AS self_us
@@ -71,6 +183,8 @@ def main() -> int:
     parser.add_argument("--server", default="pg15")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--ablate", action="store_true",
+                        help="time copies of claim and complete_bytes with one part removed")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, pgharness.PgServer(
             pgharness.flavour_bindir(args.server), extra_conf=CONF, name="profile") as server:
@@ -91,20 +205,23 @@ def main() -> int:
         def pgbench(seconds: int) -> str:
             out = subprocess.run(
                 [str(server.bindir / "pgbench"), "-n", "-M", "prepared", "-c", str(args.clients),
-                 "-j", str(min(args.clients, 2)), "-T", str(seconds), "-f", str(script), db],
+                 "-j", str(min(args.clients, 2)), "-T", str(seconds),
+                 *(a for sc in scripts for a in ("-f", str(sc))), db],
                 capture_output=True, text=True, check=False)
             match = re.search(r"tps = ([0-9.]+) \(without", out.stdout)
             if out.returncode != 0 or not match:
                 raise SystemExit(f"pgbench failed:\n{out.stdout}\n{out.stderr}")
             return match.group(1)
 
+        scripts = ablation_script(db, script) if args.ablate else [script]
         pgbench(2)  # warm up: compile the functions, fill the caches
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute("SELECT pg_stat_statements_reset()")
             conn.execute("SELECT pg_stat_reset()")
         tps = pgbench(args.seconds)
         with psycopg.connect(db, autocommit=True) as conn:
-            print(f"{server.version.split(',')[0]}, workload {args.workload}, {args.clients} "
+            what = "ablation" if args.ablate else f"workload {args.workload}"
+            print(f"{server.version.split(',')[0]}, {what}, {args.clients} "
                   f"clients, {args.seconds} s: {float(tps):.0f} tps")
             print("\nstatements (µs per call; toplevel f = inside a function):")
             for calls, us, top, query in conn.execute(STATEMENTS):
@@ -112,6 +229,16 @@ def main() -> int:
             print("\nfunctions (µs per call: total, own):")
             for name, calls, total, own in conn.execute(FUNCTIONS):
                 print(f"  {name:<24s} {calls:>7} calls  {total:>7} µs  {own:>7} µs")
+            if args.ablate:
+                times = dict(conn.execute(
+                    "SELECT funcname, total_time / calls * 1000 FROM pg_stat_user_functions "
+                    "WHERE funcname LIKE '%\\_ab\\_%' AND calls > 0").fetchall())
+                print("\nablation: what the part costs (the unchanged copy minus this one, µs)")
+                for fn in ("claim", "complete_bytes"):
+                    same = times.get(f"{fn}_ab_same")
+                    for name, us in sorted(times.items()):
+                        if name.startswith(f"{fn}_ab_") and same is not None:
+                            print(f"  {name:<28s} {us:7.1f} µs  part {same - us:6.1f} µs")
     return 0
 
 

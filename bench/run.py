@@ -12,7 +12,8 @@ asserts nothing.
   engine  idempotency.claim + idempotency.complete
 
     .venv/bin/python bench/run.py [--servers pg15,pg18] [--modes durable,fast]
-                                  [--seconds 10] [--rounds 3] [--clients 4] [--prefill 200000]
+                                  [--seconds 10] [--rounds 3] [--clients 4,8] [--prefill 200000]
+                                  [--json PATH]
 
 Modes: "durable" is PostgreSQL's default (fsync, synchronous_commit and full_page_writes on),
 as in production; "fast" turns all three off, which makes the run CPU-bound and shows the
@@ -27,6 +28,7 @@ unpartitioned one.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import subprocess
@@ -70,7 +72,7 @@ def pgbench(server: pgharness.PgServer, script: Path, seconds: int, clients: int
     return float(match.group(1))
 
 
-def run(flavour: str, mode: str, args: argparse.Namespace) -> dict:
+def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict:
     conf = DURABLE if mode == "durable" else {}
     with pgharness.PgServer(pgharness.flavour_bindir(flavour), extra_conf=conf,
                             name=f"bench-{flavour}") as server:
@@ -83,17 +85,20 @@ def run(flavour: str, mode: str, args: argparse.Namespace) -> dict:
                         args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
         scripts = {name: BENCH / f"{name}.pgbench" for name in ("bare", "floor", "engine")}
         for script in scripts.values():  # warm up every side once
-            pgbench(server, script, 2, args.clients)
+            pgbench(server, script, 2, clients)
         rounds = []
         for _ in range(args.rounds):
-            tps = {name: pgbench(server, script, args.seconds, args.clients)
+            tps = {name: pgbench(server, script, args.seconds, clients)
                    for name, script in scripts.items()}
             rounds.append(tps)
-            print(f"  {flavour} {mode:7s} bare {tps['bare']:7.0f} tps   "
+            print(f"  {flavour} {mode:7s} c={clients} bare {tps['bare']:7.0f} tps   "
                   f"floor {tps['floor']:7.0f} ({tps['floor'] / tps['bare']:.2f})   "
                   f"engine {tps['engine']:7.0f} ({tps['engine'] / tps['bare']:.2f})", flush=True)
         return {
-            "flavour": flavour, "mode": mode, "rounds": rounds,
+            "flavour": flavour, "mode": mode, "clients": clients, "rounds": rounds,
+            "engine_rounds": [r["engine"] / r["bare"] for r in rounds],
+            "engine_over_floor_rounds": [r["engine"] / r["floor"] for r in rounds],
+            "engine_over_floor": statistics.median(r["engine"] / r["floor"] for r in rounds),
             "version": " ".join(server.version.split()[:2]),  # "PostgreSQL 15.18"
             "engine": statistics.median(r["engine"] / r["bare"] for r in rounds),
             "floor": statistics.median(r["floor"] / r["bare"] for r in rounds),
@@ -106,21 +111,29 @@ def main() -> int:
     parser.add_argument("--modes", default="durable,fast")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", default="4", help="pgbench clients, e.g. 4,8")
     parser.add_argument("--prefill", type=int, default=200_000)
+    parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     results = []
     for flavour in args.servers.split(","):
         for mode in args.modes.split(","):
-            results.append(run(flavour, mode, args))
+            for clients in (int(c) for c in args.clients.split(",")):
+                results.append(run(flavour, mode, clients, args))
     print("\nthroughput / bare INSERT ON CONFLICT + UPDATE, median of the rounds "
           f"({args.clients} clients, {args.rounds} x {args.seconds}s rounds, "
           f"{args.prefill} keys prefilled):")
-    print(f"  {'server':<22s} {'mode':8s} {'engine':>7s} {'floor':>7s}")
+    print(f"  {'server':<22s} {'mode':8s} {'clients':>7s} {'engine':>7s} {'floor':>7s} "
+          f"{'engine/floor':>12s}")
     for r in results:
-        print(f"  {r['version']:<22s} {r['mode']:8s} {r['engine']:7.2f} {r['floor']:7.2f}")
+        print(f"  {r['version']:<22s} {r['mode']:8s} {r['clients']:7d} {r['engine']:7.2f} "
+              f"{r['floor']:7.2f} {r['engine_over_floor']:12.2f}")
     print("engine: claim + complete through idempotency.*; floor: the bare statements inside "
           "minimal PL/pgSQL functions (bench/floor.sql), the ceiling for any PL/pgSQL design.")
+    if args.json:
+        args.json.write_text(json.dumps({"seconds": args.seconds, "rounds": args.rounds,
+                                         "prefill": args.prefill, "results": results},
+                                        indent=1) + "\n")
     return 0
 
 
