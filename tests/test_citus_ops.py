@@ -217,3 +217,44 @@ def test_keys_and_a_monitor_role_through_the_coordinator(citus_cluster: Any,
         with psycopg.connect(cluster_db, autocommit=True) as conn:
             conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
+
+
+def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> None:
+    """0.9.0 distributed, then 0010 applied on the coordinator and distribute() run again, as
+    docs/scale-out.md ("Upgrading") says: a key released under 0.9.0 is claimed afresh through
+    the coordinator (claim now calls _drop_released_row, new in 0010, on the worker) with a
+    greater token, metrics() counts across the workers, and nothing was lost."""
+    coordinator = citus_cluster.coordinator
+    files = sorted(MIGRATIONS.glob("*.sql"))
+    old = [f for f in files if int(f.name[:4]) <= 9]
+    new = [f for f in files if int(f.name[:4]) > 9]
+    assert old and new
+    for migration in old:
+        coordinator.run_psql(citus_db, migration, args=MIGRATION_PSQL_ARGS)
+    with psycopg.connect(citus_db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        tokens = {}
+        for scope in SCOPES:
+            tokens[scope] = conn.execute(
+                "SELECT lease_token FROM idempotency.claim(%s, 'k', '{}')", (scope,)).fetchone()[0]
+            conn.execute("SELECT idempotency.release(%s, 'k', %s)", (scope, tokens[scope]))
+        conn.execute("SELECT lease_token FROM idempotency.claim('kept', 'k', '{}')")
+    for migration in new:
+        coordinator.run_psql(citus_db, migration, args=MIGRATION_PSQL_ARGS)
+    with psycopg.connect(citus_db, autocommit=True) as conn:
+        again = dict(conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall())
+        assert "idempotency.keys" not in again  # tables stay as they were distributed
+        version = conn.execute("SELECT max(version) FROM idempotency.migrations").fetchone()[0]
+        assert version == max(int(f.name[:4]) for f in files)
+        for scope in SCOPES:
+            outcome, token = conn.execute(
+                "SELECT outcome, lease_token FROM idempotency.claim(%s, 'k', '{\"n\": 2}')",
+                (scope,)).fetchone()
+            assert outcome == "claimed" and token > tokens[scope], scope
+        assert conn.execute("SELECT state, count(*) FROM idempotency.keys GROUP BY state"
+                            ).fetchall() == [("in_progress", len(SCOPES) + 1)]
+        assert metrics(conn)["keys_in_progress"] == len(SCOPES) + 1
+    for worker in citus_cluster.workers:
+        with psycopg.connect(worker.dsn(citus_db.rsplit("/", 1)[1]), autocommit=True) as conn:
+            assert conn.execute("SELECT to_regprocedure('idempotency._drop_released_row("
+                                "text, text, timestamptz, bigint)') IS NOT NULL").fetchone()[0]
