@@ -1,0 +1,150 @@
+-- Engine v3 PROTOTYPE (bench/prototype_v3.py): not the engine, not installed by anything else.
+-- Same tables' shape as idempotency.* in a schema of its own, and a claim and a complete
+-- designed for the least server time: one PL/pgSQL level each, no nested function call on the
+-- success path, checks inlined, the token computed inline, and complete addressing the key's
+-- partition by the created_at that claim returned (no directory read).
+CREATE SCHEMA proto;
+
+-- Arbiter of uniqueness, as in the engine: (scope, sha256 of key) -> created_at.
+CREATE TABLE proto.key_directory (
+    scope text NOT NULL,
+    key_hash bytea NOT NULL,
+    created_at timestamptz NOT NULL,
+    PRIMARY KEY (scope, key_hash)
+);
+
+CREATE TABLE proto.keys (
+    LIKE idempotency.keys INCLUDING DEFAULTS,
+    PRIMARY KEY (scope, key, created_at)
+) PARTITION BY RANGE (created_at);
+
+CREATE TYPE proto.claim_result AS (
+    outcome text,
+    lease_token bigint,
+    created_at timestamptz,
+    response_status integer,
+    response_headers jsonb,
+    response_body_bytes bytea,
+    response_content_type text,
+    retry_after interval
+);
+
+-- claim_parent: fresh key = one directory insert + one key-row insert (through the parent;
+-- bench/prototype_v3.py generates proto.claim, the same with one static INSERT per partition);
+-- replay = the directory probe
+-- (the conflicting insert) + one read of the key row in its partition.
+CREATE FUNCTION proto.claim_parent(
+    p_scope text,
+    p_key text,
+    p_fingerprint bytea,
+    p_lease interval DEFAULT '30 seconds'
+)
+RETURNS proto.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_hash bytea := sha256(convert_to(p_key, 'UTF8'));
+    v_created timestamptz;
+    v_row proto.keys;
+    v_result proto.claim_result;
+BEGIN
+    IF NOT coalesce(length(p_scope) BETWEEN 1 AND 255 AND length(p_key) BETWEEN 1 AND 255
+                    AND octet_length(p_fingerprint) = 32 AND p_lease > interval '0', false)
+    THEN
+        RAISE EXCEPTION 'proto.claim: invalid argument' USING ERRCODE = '22023';
+    END IF;
+    INSERT INTO proto.key_directory AS d (scope, key_hash, created_at)
+    VALUES (p_scope, v_hash, v_now)
+    ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+    IF FOUND THEN
+        -- token: seconds since 2024 in the high 32 bits, 32 random bits from gen_random_uuid
+        INSERT INTO proto.keys AS k (scope, key, fingerprint, state, lease_token,
+                                     lease_expires_at, created_at)
+        VALUES (p_scope, p_key, p_fingerprint, 'in_progress',
+                (floor(extract(EPOCH FROM v_now) - 1704067200)::int8 << 32)
+                | ('x' || left(gen_random_uuid()::text, 8))::bit(32)::int8,
+                v_now + p_lease, v_now)
+        RETURNING 'claimed', k.lease_token, k.created_at INTO v_result.outcome,
+                  v_result.lease_token, v_result.created_at;
+        RETURN v_result;
+    END IF;
+    SELECT d.created_at INTO v_created FROM proto.key_directory AS d
+    WHERE d.scope = p_scope AND d.key_hash = v_hash;
+    SELECT * INTO v_row FROM proto.keys AS k
+    WHERE k.scope = p_scope AND k.key = p_key AND k.created_at = v_created;
+    v_result.created_at := v_created;
+    IF v_row.fingerprint <> p_fingerprint THEN
+        v_result.outcome := 'mismatch';
+    ELSIF v_row.state = 'completed' THEN
+        v_result.outcome := 'replay';
+        v_result.response_status := v_row.response_status;
+        v_result.response_headers := v_row.response_headers;
+        v_result.response_body_bytes := v_row.response_body_bytes;
+        v_result.response_content_type := v_row.response_content_type;
+    ELSIF v_row.lease_expires_at > v_now THEN
+        v_result.outcome := 'in_progress';
+        v_result.retry_after := v_row.lease_expires_at - v_now;
+    ELSE
+        -- takeover of an expired lease, fenced on the old token; the new one is greater
+        UPDATE proto.keys AS k
+        SET lease_token = greatest((v_row.lease_token >> 32) + 1,
+                                   floor(extract(EPOCH FROM v_now) - 1704067200)::int8) << 32
+                          | ('x' || left(gen_random_uuid()::text, 8))::bit(32)::int8,
+            lease_expires_at = v_now + p_lease, attempts = k.attempts + 1
+        WHERE k.scope = p_scope AND k.key = p_key AND k.created_at = v_created
+          AND k.lease_token = v_row.lease_token AND k.state = 'in_progress'
+        RETURNING 'resumed', k.lease_token INTO v_result.outcome, v_result.lease_token;
+        IF NOT FOUND THEN
+            v_result.outcome := 'in_progress';
+            v_result.retry_after := p_lease;
+        END IF;
+    END IF;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION proto.claim_parent(text, text, bytea, interval) IS
+'PROTOTYPE (bench/prototype_v3.py): claim with one PL/pgSQL level; not the engine.';
+
+-- complete_parent: one fenced UPDATE through the parent table, given the created_at claim
+-- returned. bench/prototype_v3.py also generates proto.complete, the same with one static
+-- UPDATE per partition (an IF on created_at picks it), as the engine's routes do.
+CREATE FUNCTION proto.complete_parent(
+    p_scope text,
+    p_key text,
+    p_token bigint,
+    p_created_at timestamptz,
+    p_status integer,
+    p_body bytea,
+    p_content_type text,
+    p_headers jsonb DEFAULT '{}'
+)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT coalesce(p_status BETWEEN 100 AND 599 AND length(p_content_type) <= 255, false) THEN
+        RAISE EXCEPTION 'proto.complete_parent: invalid argument' USING ERRCODE = '22023';
+    END IF;
+    UPDATE proto.keys AS k
+    SET state = 'completed', response_status = p_status, response_headers = p_headers,
+        response_body_bytes = p_body, response_content_type = p_content_type,
+        completed_at = clock_timestamp(), lease_expires_at = NULL
+    WHERE k.scope = p_scope AND k.key = p_key AND k.created_at = p_created_at
+      AND k.lease_token = p_token AND k.state = 'in_progress';
+    IF NOT FOUND THEN
+        RAISE EXCEPTION 'proto.complete_parent: lease lost or key gone' USING ERRCODE = '55000';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION proto.complete_parent(
+    text, text, bigint, timestamptz, integer, bytea, text, jsonb
+) IS 'PROTOTYPE (bench/prototype_v3.py): fenced complete with one PL/pgSQL level; not the engine.';
