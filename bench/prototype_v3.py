@@ -34,6 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 
 import psycopg  # noqa: E402
+import run  # noqa: E402  (bench/run.py)
 
 import pgharness  # noqa: E402
 
@@ -43,19 +44,9 @@ FAST = {"fsync": "off", "synchronous_commit": "off", "full_page_writes": "off"}
 # the harness's own defaults are fast; "durable" sets PostgreSQL's defaults back explicitly
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 
-SETUP_SQL = """
-SELECT idempotency._premake(now() - interval '1 day');
-CREATE EXTENSION pg_stat_statements;
-CREATE TABLE bench_bare (LIKE idempotency.keys INCLUDING DEFAULTS, PRIMARY KEY (scope, key));
-INSERT INTO idempotency.keys (scope, key, fingerprint, state, lease_token, created_at,
-                              response_status, response_headers, response_body, completed_at)
-SELECT 'acct_' || (g % 100), 'pre' || g, sha256(g::text::bytea), 'completed', g,
-       now() - (g % 1440) * interval '1 minute', 201, '{}', '{"id": "ch_pre"}', now()
-FROM generate_series(1, {prefill}) AS g;
-INSERT INTO idempotency.key_directory (scope, key_hash, created_at)
-SELECT scope, sha256(convert_to(key, 'UTF8')), created_at FROM idempotency.keys;
-INSERT INTO bench_bare SELECT * FROM idempotency.keys;
-"""
+# run.py's setup (partitions, prefill in the engine's tables and the bare one), plus
+# pg_stat_statements for the time per call.
+SETUP_SQL = "CREATE EXTENSION pg_stat_statements;\n" + run.SETUP_SQL
 
 COPY_SQL = """
 INSERT INTO proto.keys SELECT * FROM idempotency.keys;

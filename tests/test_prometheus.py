@@ -16,7 +16,6 @@ import sys
 import threading
 import time
 import urllib.request
-import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
@@ -24,10 +23,10 @@ from typing import Any
 
 import psycopg
 import pytest
-from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
+from conftest import login_roles
 from pgharness import PgServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,21 +55,6 @@ def make_keys(conn: psycopg.Connection[Any]) -> dict[str, int]:
         "SELECT lease_token FROM idempotency.claim(%s, 'dead', '{}', lease => '1 minute', "
         "reference_time => %s)", (SCOPE, past)).fetchone()[0]
     return tokens
-
-
-@contextlib.contextmanager
-def monitor_role(server: PgServer, db: str) -> Iterator[str]:
-    role = f"monitor_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(db, autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
-        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'monitor')", (role,))
-    try:
-        yield role
-    finally:
-        with psycopg.connect(db, autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
-        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
 def metrics(conn: psycopg.Connection[Any]) -> dict[str, Any]:
@@ -133,7 +117,7 @@ def test_metrics_of_keys_in_known_states(server: PgServer, db: str) -> None:
 
 
 def test_a_monitor_role_reads_metrics_and_nothing_else(server: PgServer, db: str) -> None:
-    with monitor_role(server, db) as role, \
+    with login_roles(server, db, "monitor") as (role,), \
             psycopg.connect(db, user=role, autocommit=True) as conn:
         assert metrics(conn)["keys_in_progress"] == 0
         for query, sqlstate in (
@@ -212,7 +196,7 @@ def test_the_postgres_exporter_scrapes_our_metrics(
 ) -> None:
     with psycopg.connect(db, autocommit=True) as conn:
         tokens = make_keys(conn)
-    with monitor_role(server, db) as role:
+    with login_roles(server, db, "monitor") as (role,):
         dsn = db.replace("postgres@", f"{role}@", 1) + "?sslmode=disable"
         with exporter(dsn, tmp_path) as url:
             s = scrape(url)
@@ -262,7 +246,7 @@ def test_the_exporter_follows_the_retry_storm_demo(
         sys.path.remove(str(ROOT / "tools"))
     counts = ("SELECT count(*), count(*) FILTER (WHERE state = 'in_progress'), "
               "count(*) FILTER (WHERE state = 'released') FROM idempotency.keys")
-    with monitor_role(server, db) as role:
+    with login_roles(server, db, "monitor") as (role,):
         dsn = db.replace("postgres@", f"{role}@", 1) + "?sslmode=disable"
         with exporter(dsn, tmp_path) as url:
             before = scrape(url)
