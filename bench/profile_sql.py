@@ -17,9 +17,10 @@ Workloads (``--workload``):
 
 Since 0.9.0 claim takes no advisory lock: its ``INSERT ... ON CONFLICT DO NOTHING`` into
 ``key_directory`` is the arbiter (one owner per key), then it inserts the key row; complete
-(``complete_bytes`` for the middleware) reads the key's directory row for its partition and
-calls the generated route ``_complete_row`` (the fenced UPDATE) through ``_finish``: three
-PL/pgSQL levels.
+(``complete_bytes`` for the middleware) checks its arguments and calls the generated route
+``_complete_row``, whose guess runs the fenced UPDATE on the partition of the completion's own
+time: two PL/pgSQL levels and no directory read since 0.11.0 (three levels, through
+``_finish``, and a directory read before).
 
 ``--ablate`` measures what each part of claim costs instead: copies of ``idempotency.claim``
 (from ``pg_get_functiondef``, so always the installed one) with one part taken out, all called
@@ -30,8 +31,7 @@ DEFINER), ``no_plan_mode`` (no ``SET plan_cache_mode``), ``no_path`` (no ``SET s
 ``no_checks`` (no argument and isolation checks), ``const_token`` (``coalesce(previous, 0) +
 1`` instead of ``_new_token``: no gen_random_uuid, clock or bit casts), ``no_keys_insert`` (the
 directory insert alone: the key row's insert costs the difference). The same is done for
-complete_bytes: ``same``, ``no_secdef``, ``no_checks`` (content type check), and ``inline``
-(the body of ``_finish`` pasted into it: one PL/pgSQL level less).
+complete_bytes: ``same``, ``no_secdef``, ``no_path`` and ``no_checks`` (all argument checks).
 
 ``pg_stat_statements`` times a statement's execution, not its executor start-up and shut-down,
 nor the PL/pgSQL around it: a function's own time minus its statements' is that rest. This is
@@ -90,7 +90,9 @@ CLAIM_ABLATIONS = [
 COMPLETE_ABLATIONS = [
     ("same", []),
     ("no_secdef", [(r"\n\s*SECURITY DEFINER[^\n]*", "")]),
-    ("no_checks", [(r"IF \(complete_bytes\.body IS NOT NULL.*?END IF;", "")]),
+    ("no_path", [(r"\n\s*SET search_path[^\n]*", "")]),
+    ("no_checks", [(r"IF \(complete_bytes\.body IS NOT NULL.*?END IF;", ""),
+                   (r"IF NOT coalesce\(idempotency\._name_ok\(complete_bytes.*?END IF;", "")]),
 ]
 
 
@@ -106,30 +108,6 @@ def ablation_copy(definition: str, fn: str, name: str, edits: list[tuple[str, st
     return re.sub(rf"\b{fn}\.", f"{new}.", out)  # the parameters, qualified by the name
 
 
-def inline_finish(complete: str, finish: str) -> str:
-    """complete_bytes with _finish's body in place of its call: one PL/pgSQL level less."""
-    body = re.search(r"AS \$function\$(.*)\$function\$", finish, re.S).group(1)
-    decl = re.search(r"DECLARE(.*?)BEGIN", body, re.S).group(1)
-    stmts = re.search(r"BEGIN(.*)END;", body, re.S).group(1)
-    args = ["'idempotency.complete_bytes'", "complete_bytes_ab_inline.scope",
-            "complete_bytes_ab_inline.key", "complete_bytes_ab_inline.lease_token",
-            "complete_bytes_ab_inline.status",
-            "coalesce(complete_bytes_ab_inline.headers, '{}')", "NULL::jsonb",
-            "complete_bytes_ab_inline.body", "complete_bytes_ab_inline.content_type",
-            "complete_bytes_ab_inline.reference_time"]
-    names = ["fn", "scope", "key", "lease_token", "status", "headers", "body", "body_bytes",
-             "content_type", "reference_time"]
-    # longest first: body_bytes before body
-    for name, arg in sorted(zip(names, args, strict=True), key=lambda p: -len(p[0])):
-        decl = decl.replace(f"_finish.{name}", f"({arg})")
-        stmts = stmts.replace(f"_finish.{name}", f"({arg})")
-    out = ablation_copy(complete, "complete_bytes", "inline", [])
-    head, _, _ = out.partition("AS $function$")
-    return (head.replace("SET search_path", "SET plan_cache_mode = force_generic_plan\n SET "
-                         "search_path", 1)
-            + f"AS $function$\nDECLARE{decl}BEGIN\n{stmts}END;\n$function$")
-
-
 def ablation_script(db: str, path: Path) -> list[Path]:
     """Create the copies and write the pgbench script that calls each in turn."""
     with psycopg.connect(db, autocommit=True) as conn:
@@ -137,12 +115,10 @@ def ablation_script(db: str, path: Path) -> list[Path]:
                "ON n.oid = p.pronamespace WHERE n.nspname = 'idempotency' AND p.proname = %s")
         claim = conn.execute(get, ("claim",)).fetchone()[0]
         complete = conn.execute(get, ("complete_bytes",)).fetchone()[0]
-        finish = conn.execute(get, ("_finish",)).fetchone()[0]
         for name, edits in CLAIM_ABLATIONS:
             conn.execute(ablation_copy(claim, "claim", name, edits))
         for name, edits in COMPLETE_ABLATIONS:
             conn.execute(ablation_copy(complete, "complete_bytes", name, edits))
-        conn.execute(inline_finish(complete, finish))
     lines = ["-- claim ablation (bench/profile_sql.py --ablate)",
              "\\set k random(1, 1000000000000)"]
     for name, _ in CLAIM_ABLATIONS:
@@ -151,7 +127,7 @@ def ablation_script(db: str, path: Path) -> list[Path]:
                      "sha256('POST /payments {\"amount\":50}'::bytea)) \\gset")
     # each complete copy completes one of the keys just claimed (not no_keys_insert's: it has
     # no key row)
-    completes = [name for name, _ in COMPLETE_ABLATIONS] + ["inline"]
+    completes = [name for name, _ in COMPLETE_ABLATIONS]
     for name, claimed in zip(completes, [n for n, _ in CLAIM_ABLATIONS], strict=False):
         lines.append(f"SELECT idempotency.complete_bytes_ab_{name}('acct_1', 'k' || :k || "
                      f"'{claimed}', :tok_{claimed}, 201, '\\x7b7d'::bytea, "

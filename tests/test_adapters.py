@@ -127,4 +127,4 @@ def test_pure_functions_and_errors_are_exported_with_sync_async_parity() -> None
     assert all(hasattr(aio, name) and hasattr(api, name) for name in api.__all__)
     assert issubclass(idem.KeyExpired, idem.IdempotencyError)
     assert idem.PgCronNotInstalled.sqlstate == "IK020"
-    assert idem.__version__ == "0.10.0"
+    assert idem.__version__ == "0.11.0"

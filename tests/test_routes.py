@@ -167,6 +167,68 @@ def test_claim_and_complete_lock_only_the_keys_partition(db: str, options: str) 
         conn.rollback()
 
 
+DIRECTORY_LOCKS = """
+SELECT count(*) FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation
+WHERE l.pid = pg_backend_pid() AND c.relname LIKE 'key\\_directory%'
+"""
+
+
+@pytest.mark.parametrize("options", ["", HOSTILE], ids=["plain", "hostile-settings"])
+def test_complete_guesses_the_partition_and_falls_back_to_the_directory(
+        db: str, options: str) -> None:
+    """complete() and complete_bytes() (0011) find the key's row in the partition of their own
+    time without reading key_directory; a key whose row is elsewhere (claimed two days ago, say)
+    is found through the directory, with the same answers: completed once, IK001 for a token
+    that is not the key's, IK004 for a second completion."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        add_past_days(conn, 26)
+        today = today_partition(conn)
+        earlier = conn.execute(
+            "SELECT partition_name FROM idempotency._partitions('keys') WHERE "
+            "clock_timestamp() - interval '2 days' >= lower_bound "
+            "AND clock_timestamp() - interval '2 days' < upper_bound").fetchone()[0]
+    assert earlier != today
+    state = "SELECT state, response_status, tableoid::regclass::text FROM idempotency.keys " \
+            "WHERE scope = 'g' AND key = %s"
+    with psycopg.connect(db, options=options) as conn:
+        fresh = conn.execute("SELECT lease_token FROM idempotency.claim('g', 'now', '{}')"
+                             ).fetchone()[0]
+        old = conn.execute("SELECT lease_token FROM idempotency.claim('g', 'old', '{}', "
+                           "reference_time => clock_timestamp() - interval '2 days')"
+                           ).fetchone()[0]
+        conn.commit()
+        # The guess: today's partition, and no lock on (so no read of) key_directory.
+        assert conn.execute("SELECT idempotency.complete('g', 'now', %s, 201, '{}') IS NOT NULL",
+                            (fresh,)).fetchone()[0] is True
+        assert [r[0] for r in conn.execute(KEY_LOCKS).fetchall()] == [today]
+        assert conn.execute(DIRECTORY_LOCKS).fetchone()[0] == 0
+        conn.commit()
+        assert conn.execute(state, ("now",)).fetchone() == ("completed", 201,
+                                                            f"idempotency.{today}")
+        # A stale token on the old key: the guess misses, the directory names the old
+        # partition, nothing matches there either: IK001, and the row is untouched.
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT idempotency.complete_bytes('g', 'old', %s, 200, 'x', "
+                         "'text/plain')", (old - 1,))
+        assert info.value.sqlstate == "IK001"
+        conn.rollback()
+        # The right token: found through the directory in its own partition.
+        assert conn.execute("SELECT idempotency.complete_bytes('g', 'old', %s, 200, 'x', "
+                            "'text/plain') IS NOT NULL", (old,)).fetchone()[0] is True
+        assert [r[0] for r in conn.execute(KEY_LOCKS).fetchall()] == sorted([today, earlier])
+        assert conn.execute(DIRECTORY_LOCKS).fetchone()[0] > 0
+        conn.commit()
+        assert conn.execute(state, ("old",)).fetchone() == ("completed", 200,
+                                                            f"idempotency.{earlier}")
+        for key, token in (("now", fresh), ("old", old)):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute("SELECT idempotency.complete('g', %s, %s, 201, '{}')", (key, token))
+            assert info.value.sqlstate == "IK004", key
+            conn.rollback()
+        assert conn.execute("SELECT count(*), count(*) FILTER (WHERE state = 'completed') "
+                            "FROM idempotency.keys WHERE scope = 'g'").fetchone() == (2, 2)
+
+
 @pytest.mark.parametrize("options", ["", HOSTILE], ids=["plain", "hostile-settings"])
 def test_fenced_calls_lock_only_the_keys_partition(db: str, options: str) -> None:
     """heartbeat, checkpoint, accept and release (migration 0008) lock one partition of keys

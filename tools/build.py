@@ -51,7 +51,7 @@ EXTENSION = "pg_idempotency"
 # The extension version each migration brings the schema to: CREATE EXTENSION installs the
 # last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later migration.
 VERSIONS = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0", 4: "0.4.0", 5: "0.5.0", 6: "0.6.0", 7: "0.7.0",
-            8: "0.8.0", 9: "0.9.0", 10: "0.10.0"}
+            8: "0.8.0", 9: "0.9.0", 10: "0.10.0", 11: "0.11.0"}
 VERSION = VERSIONS[max(VERSIONS)]
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
 # keys (until maintenance moves them out), the sequence's position is what keeps fencing

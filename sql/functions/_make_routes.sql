@@ -2,7 +2,7 @@
 -- idempotency.keys instead of the partitioned parent:
 --
 --   _key_row(scope, key, created_at)         the key's row (claim's replay/in-progress/mismatch)
---   _complete_row(scope, key, token, ...)    complete()'s fenced UPDATE (through _finish)
+--   _complete_row(scope, key, token, ...)    complete()'s and complete_bytes()' fenced UPDATE
 --   _heartbeat_row, _checkpoint_row,         the fenced UPDATE of heartbeat(), checkpoint(),
 --   _accept_row, _release_row                accept() and release()
 --   _resume_row                              the takeover of an expired lease (claim, takeover)
@@ -26,6 +26,16 @@
 -- - a branch that finds no row falls through to the parent, so a row in a partition the branch
 --   did not expect (or the default partition) is still found. Only failures pay for that.
 --
+-- A route may also have a guess: a statement run first, when the caller passes created_at NULL,
+-- on the partition that holds another of its arguments, without reading key_directory. Only
+-- _complete_row has one: complete() comes within a lease of the claim, so the key's row is
+-- nearly always in the partition of the completion's own time, and the directory read it saves
+-- was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3"). A wrong guess (a
+-- complete after a takeover days later, or across midnight) matches no row, and the route reads
+-- created_at from key_directory and goes on as any route: correct either way, since (scope, key)
+-- has one row in all the partitions (key_directory's primary key) and the guess compares the
+-- token as every fenced statement does.
+--
 -- Called by _create_partition (when it makes a partition of keys) and at the end of maintain();
 -- it replaces a function only when the text changes, since every replacement makes each session
 -- compile the function again on its next call.
@@ -41,8 +51,9 @@ SET timezone = 'UTC'
 AS $make$
 DECLARE
     -- One row per generated function: its name, its parameters, what it returns (held in
-    -- v_done), and its statement, in which @table@ is the table addressed (a partition, then
-    -- the parent as the last word) and @fn@ the function's name. The fenced writes match only
+    -- v_done), its statement, in which @table@ is the table addressed (a partition, then the
+    -- parent as the last word) and @fn@ the function's name, its guess ('' for none: see
+    -- above; the partition is the one holding the route's completed_at), and what it is for. The fenced writes match only
     -- the caller's token on a key in progress; a lease only grows (greatest() ignores a NULL
     -- expires_at, which keeps the lease as it is).
     v_routes constant text[][] := ARRAY[
@@ -51,7 +62,7 @@ DECLARE
         FROM @table@ AS k
         WHERE k.scope = @fn@.scope AND k.key = @fn@.key
           AND k.created_at = @fn@.created_at;$sql$,
-         'claim()''s and takeover()''s read of the key''s row'],
+         '', 'claim()''s and takeover()''s read of the key''s row'],
         ['_complete_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
          || 'headers jsonb, body jsonb, body_bytes bytea, content_type text, '
@@ -70,7 +81,20 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING k.completed_at INTO v_done;$sql$,
-         'complete()''s fenced UPDATE'],
+         $sql$
+        UPDATE @table@ AS k
+        SET state = 'completed',
+            lease_expires_at = NULL,
+            response_status = @fn@.status,
+            response_headers = @fn@.headers,
+            response_body = @fn@.body,
+            response_body_bytes = @fn@.body_bytes,
+            response_content_type = @fn@.content_type,
+            completed_at = @fn@.completed_at
+        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
+          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
+        RETURNING k.completed_at INTO v_done;$sql$,
+         'complete()''s and complete_bytes()'' fenced UPDATE'],
         ['_heartbeat_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, '
          || 'expires_at timestamptz',
@@ -81,7 +105,7 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING k.lease_expires_at INTO v_done;$sql$,
-         'heartbeat()''s fenced UPDATE'],
+         '', 'heartbeat()''s fenced UPDATE'],
         ['_checkpoint_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, '
          || 'recovery_point text, expires_at timestamptz',
@@ -93,7 +117,7 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING k.lease_expires_at INTO v_done;$sql$,
-         'checkpoint()''s fenced UPDATE'],
+         '', 'checkpoint()''s fenced UPDATE'],
         ['_accept_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, status integer, '
          || 'headers jsonb, body jsonb, expires_at timestamptz',
@@ -110,7 +134,7 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING k.lease_expires_at INTO v_done;$sql$,
-         'accept()''s fenced UPDATE'],
+         '', 'accept()''s fenced UPDATE'],
         ['_release_row',
          'scope text, key text, lease_token bigint, created_at timestamptz',
          'boolean', $sql$
@@ -126,7 +150,7 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING true INTO v_done;$sql$,
-         'release()''s fenced UPDATE'],
+         '', 'release()''s fenced UPDATE'],
         ['_drop_released_row',
          'scope text, key text, created_at timestamptz, lease_token bigint',
          'boolean', $sql$
@@ -135,7 +159,7 @@ DECLARE
           AND k.created_at = @fn@.created_at
           AND k.state = 'released' AND k.lease_token = @fn@.lease_token
         RETURNING true INTO v_done;$sql$,
-         'claim()''s removal of a released row, compared on its token'],
+         '', 'claim()''s removal of a released row, compared on its token'],
         ['_resume_row',
          'scope text, key text, created_at timestamptz, lease_token bigint, '
          || 'new_token bigint, lease_expires_at timestamptz, reference_time timestamptz',
@@ -152,7 +176,7 @@ DECLARE
                   NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
                   NULL::interval, k.created_at, NULL::timestamptz
         INTO v_done;$sql$,
-         'the takeover of an expired lease (claim''s and takeover()''s compare-and-set)']
+         '', 'the takeover of an expired lease (claim''s and takeover()''s compare-and-set)']
     ];
     v_names text[];
     v_lowers timestamptz[];
@@ -160,6 +184,7 @@ DECLARE
     v_fn text;
     v_stmt text;
     v_branches text;
+    v_lookup text;
     v_source text;
     v_proc text;
     v_signature regprocedure;
@@ -182,34 +207,48 @@ BEGIN
     FOR i IN 1 .. array_length(v_routes, 1) LOOP
         v_fn := v_routes[i][1];
         v_stmt := replace(v_routes[i][4], '@fn@', v_fn);
-        v_branches := '';
-        FOR j IN 1 .. cardinality(v_names) LOOP
-            -- replace(), not format(), for the statement: a partition's name may hold a %.
-            -- The table's name goes in last, so nothing in it is replaced.
-            v_branches := v_branches || format(
-                E'\n    %1$s %2$s.created_at >= %3$L::timestamptz'
-                || ' AND %2$s.created_at < %4$L::timestamptz'
-                || E'\n       AND to_regclass(%5$L) IS NOT NULL THEN',
-                CASE WHEN v_branches = '' THEN 'IF' ELSE 'ELSIF' END, v_fn,
-                v_lowers[j], v_uppers[j], v_names[j])
-                || replace(v_stmt, '@table@', v_names[j]);
-        END LOOP;
+        v_branches := idempotency._route_branches(v_fn, 'created_at', v_stmt, v_names, v_lowers,
+                                                  v_uppers);
         IF v_branches <> '' THEN
             v_branches := v_branches
                 || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+        END IF;
+        v_lookup := '';
+        IF v_routes[i][5] <> '' THEN
+            -- The guess, then the directory's created_at for the branches below. The second
+            -- PERFORM only sets FOUND to false again (the directory read set it), so that the
+            -- test after those branches means "a branch found the row".
+            v_lookup := idempotency._route_branches(
+                v_fn, 'completed_at', replace(v_routes[i][5], '@fn@', v_fn), v_names, v_lowers,
+                v_uppers);
+            IF v_lookup <> '' THEN
+                v_lookup := v_lookup
+                    || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+            END IF;
+            v_lookup := format(
+                E'\n    IF %1$s.created_at IS NULL THEN%2$s'
+                || E'\n    SELECT d.created_at INTO %1$s.created_at'
+                || E'\n    FROM idempotency.key_directory AS d'
+                || E'\n    WHERE d.scope = %1$s.scope'
+                || E'\n      AND d.key_hash = sha256(convert_to(%1$s.key, ''UTF8''));%3$s'
+                || E'\n    END IF;',
+                v_fn, v_lookup,
+                CASE WHEN v_branches = '' THEN ''
+                     ELSE E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;' END);
         END IF;
         IF v_branches <> '' THEN
             -- The lock on the parent comes before the branches' to_regclass tests: a DROP or
             -- DETACH of a partition locks the parent exclusively, so no test can pass for a
             -- partition that is gone before its statement runs. (Relations in a query are
             -- locked when its plan is, WHERE false or not.)
-            v_branches := E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;'
-                          || v_branches;
+            v_lookup := E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;'
+                        || v_lookup;
         END IF;
         v_source := format(
             E'\n-- Generated by idempotency._make_routes(): do not edit.\n'
-            'DECLARE\n    v_done %s;\nBEGIN%s%s\n    RETURN v_done;\nEND;\n',
-            v_routes[i][3], v_branches, replace(v_stmt, '@table@', 'idempotency.keys'));
+            'DECLARE\n    v_done %s;\nBEGIN%s%s%s\n    RETURN v_done;\nEND;\n',
+            v_routes[i][3], v_lookup, v_branches,
+            replace(v_stmt, '@table@', 'idempotency.keys'));
         -- 'idempotency.name(text, bigint, ...)': the parameters' types, for to_regprocedure.
         v_proc := format(
             'idempotency.%s(%s)', v_fn,
@@ -235,7 +274,7 @@ BEGIN
             EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_signature,
                            format('Internal, generated by _make_routes(): %s on the partition '
                                   'of keys that created_at names, through the parent when no '
-                                  'branch finds the row.', v_routes[i][5]));
+                                  'branch finds the row.', v_routes[i][6]));
             v_changed := true;
         END IF;
     END LOOP;
@@ -244,6 +283,7 @@ END;
 $make$;
 
 COMMENT ON FUNCTION idempotency._make_routes() IS
-'Internal: (re)generate _key_row, _complete_row, _heartbeat_row, _checkpoint_row, _accept_row,
-_release_row, _resume_row and _drop_released_row, which address one partition of keys by a static statement per partition;
-true when any was replaced. Run by _create_partition and maintain().';
+'Internal: (re)generate _key_row, _complete_row (with its guess), _heartbeat_row,
+_checkpoint_row, _accept_row, _release_row, _resume_row and _drop_released_row, which address
+one partition of keys by a static statement per partition; true when any was replaced. Run by
+_create_partition and maintain().';

@@ -502,10 +502,10 @@ SELECT throws_ok(
     'app role: _create_partition is refused'
 );
 SELECT throws_ok(
-    $$SELECT pg_temp.as_app('SELECT idempotency._finish(''f'', ''p'', ''k2'', 1, 200, ''{}'',
-        NULL, NULL, NULL, NULL)')$$,
-    '42501', 'permission denied for function _finish',
-    'app role: _finish (the unfenced-looking internal of complete) is refused'
+    $$SELECT pg_temp.as_app('SELECT idempotency._complete_row(''p'', ''k2'', 1, NULL, 200,
+        ''{}'', NULL, NULL, NULL, now())')$$,
+    '42501', 'permission denied for function _complete_row',
+    'app role: _complete_row (the route of complete, whose errors complete raises) is refused'
 );
 SELECT throws_ok(
     $$SELECT pg_temp.as_app('SELECT idempotency._drop_directory_rows(''keys'', ''keys'', now())')$$,
@@ -561,10 +561,11 @@ SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NOT NULL
         AND p.proconfig <> ARRAY['search_path=pg_catalog, pg_temp']
-        AND NOT (p.proname IN ('_partitions', '_create_partition', '_make_routes')
+        AND NOT (p.proname IN ('_partitions', '_create_partition', '_make_routes',
+                               '_route_branches')
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
                                          'DateStyle=ISO, YMD', 'TimeZone=UTC'])
-        AND NOT (p.proname IN ('claim', '_resume_existing', '_finish', 'heartbeat',
+        AND NOT (p.proname IN ('claim', '_resume_existing', 'heartbeat',
                                'checkpoint', 'accept', 'release', 'takeover', '_lease_error')
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
                                          'plan_cache_mode=force_generic_plan'])$$,
@@ -611,7 +612,6 @@ SELECT results_eq(
         ('_complete_row', 'v'),
         ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
         ('_drop_released_row', 'v'),
-        ('_finish', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_key_hash', 'i'), ('_key_row', 'v'), ('_lease_error', 's'),
         ('_lease_ok', 'i'), ('_maintain', 'v'), ('_make_partitions', 'v'),
@@ -620,7 +620,7 @@ SELECT results_eq(
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
         ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_pg_cron', 's'), ('_require_read_committed', 's'), ('_resume_existing', 'v'),
-        ('_resume_row', 'v'),
+        ('_resume_row', 'v'), ('_route_branches', 'i'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
         ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
         ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 'i'), ('force_release', 'v'),

@@ -1,0 +1,25 @@
+-- Recipe of migrations/0011_hot_path.sql (tools/build.py --migration 11 hot_path); the syntax
+-- is explained in sql/upgrades/0002_maintenance.sql. Self-contained: only the objects added or
+-- changed here.
+--
+-- 0011: the hot path of complete (0.11.0; issue "Engine v3", docs/benchmarks.md).
+-- - complete() and complete_bytes() check their arguments themselves and call the generated
+--   route _complete_row directly: two PL/pgSQL levels instead of three. _finish goes.
+-- - _complete_row, given created_at NULL, first tries the partition that holds the
+--   completion's own time (its guess) and reads key_directory only when that finds no row:
+--   the directory read leaves complete's success path. Same signature, same answers (IK001 /
+--   IK004 through _lease_error).
+-- - _make_routes builds its branches with the new _route_branches().
+-- No table changes; no data moves.
+
+-- @include functions/_route_branches.sql
+-- @replace functions/_make_routes.sql
+SELECT idempotency._make_routes() AS routes_made;
+-- @replace functions/complete.sql
+-- @replace functions/complete_bytes.sql
+DROP FUNCTION idempotency._finish(
+    text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
+);
+
+-- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
+REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
