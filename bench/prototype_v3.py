@@ -19,7 +19,8 @@ round by round so machine noise hits them alike:
             replay read) routed to the partition by static statements; s_hash with the arbiter
             on (scope, sha256(key)); s_ctid with responses unindexed, found by the ctid the
             key row keeps; s_inline the response in the key row (a floor, not a proposal);
-            s_plain S's statements sent by the client, no function (not a proposal either)
+            s_plain S's statements sent by the client, no function (not a proposal either);
+            s_sql the success paths as LANGUAGE sql functions (claim_fast, complete_fast)
   replay_*  one claim of a completed (prefilled) key; the recipe's is its INSERT ... ON
             CONFLICT DO NOTHING + a SELECT of the row
 
@@ -418,6 +419,30 @@ def check_s(db: str, claim: str, complete: str) -> None:
           "bits: ok", flush=True)
 
 
+def check_fast(db: str) -> None:
+    """s_sql's fast paths on real rows: claim_fast claims a new key and returns nothing for a
+    known one or an invalid argument; complete_fast is fenced (false, row unchanged) and its
+    response is what proto_s.claim replays."""
+    fp = b"\x01" * 32
+    fast = "SELECT lease_token FROM proto_s.claim_fast('s', %s, %s)"
+    done = "SELECT proto_s.complete_fast('s', %s, %s, 201, '\\x00', 'a/b')"
+    state = "SELECT state FROM proto_s.keys WHERE scope = 's' AND key = %s"
+    with psycopg.connect(db, autocommit=True) as conn:
+        tok = conn.execute(fast, ("chk_fast", fp)).fetchone()[0]
+        assert conn.execute(fast, ("chk_fast", fp)).fetchall() == []
+        assert conn.execute(fast, ("chk_fast_bad", b"\x01")).fetchall() == []
+        assert conn.execute(done, ("chk_fast", tok + 1)).fetchone()[0] is False
+        assert conn.execute(state, ("chk_fast",)).fetchone()[0] == "in_progress"
+        assert conn.execute(done, ("chk_fast", tok)).fetchone()[0] is True
+        assert conn.execute(done, ("chk_fast", tok)).fetchone()[0] is False
+        row = conn.execute("SELECT outcome, response_status, response_body_bytes FROM "
+                           "proto_s.claim('s', 'chk_fast', %s)", (fp,)).fetchone()
+        assert row == ("replay", 201, b"\x00"), row
+    print("  proto_s.claim_fast + complete_fast checks: claimed, no row for a known key or a bad "
+          "argument, fenced complete (false, row unchanged), replay of the stored response: ok",
+          flush=True)
+
+
 def check_replays(db: str) -> None:
     """Each replay workload's claim answers 'replay' on a prefilled key."""
     with psycopg.connect(db, autocommit=True) as conn:
@@ -489,6 +514,7 @@ def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict
         check_guarantees(db)
         for claim, complete in S_VARIANTS.values():
             check_s(db, claim, complete)
+        check_fast(db)
         check_replays(db)
         tmp = server.tmpdir
         texts = [("engine", ENGINE), ("proto", PROTO)] + [
@@ -496,7 +522,8 @@ def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict
                 "proto.complete(", f"proto.{co}(")) for name, (cl, co) in VARIANTS.items()]
         texts += [(name, S_FRESH.replace("CLAIM", cl).replace("COMPLETE", co))
                   for name, (cl, co) in S_VARIANTS.items()]
-        texts += [("s_plain", S_PLAIN), ("replay_bare", REPLAY_BARE)] + [
+        texts += [("s_plain", S_PLAIN), ("s_sql", S_FRESH.replace("CLAIM", "claim_fast").replace(
+            "COMPLETE", "complete_fast")), ("replay_bare", REPLAY_BARE)] + [
             (name, REPLAY.replace("CLAIM", fn).replace("ARGS", fargs))
             for name, (fn, fargs) in REPLAYS.items()]
         scripts = {"bare": BENCH / "bare.pgbench", "floor": BENCH / "floor.pgbench"}

@@ -466,3 +466,75 @@ $$;
 
 COMMENT ON FUNCTION proto_s.complete_inline(text, text, bigint, integer, bytea, text, jsonb) IS
 'PROTOTYPE (bench/prototype_v3.py): reference floor, response written by the fenced update.';
+
+-- Variant s_sql: the success paths as LANGUAGE sql functions (one statement each, no PL/pgSQL),
+-- the PL/pgSQL functions above as the slow path. claim_fast returns a row only when it claimed
+-- the key; no row (the key exists, or an argument is invalid) sends the caller to
+-- proto_s.claim, which answers replay / in_progress / mismatch or raises the argument's error.
+-- complete_fast returns false when fenced out (or invalid); the caller then calls
+-- proto_s.complete for the error. A sketch of a cheaper procedural layer, measured only.
+CREATE FUNCTION proto_s.claim_fast(
+    p_scope text,
+    p_key text,
+    p_fingerprint bytea,
+    p_lease interval DEFAULT '30 seconds'
+)
+RETURNS TABLE (lease_token bigint, created_at timestamptz)
+LANGUAGE sql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    INSERT INTO proto_s.keys AS k (scope, key, fingerprint, state, lease_token,
+                                   lease_expires_at, created_at)
+    SELECT p_scope, p_key, p_fingerprint, 'in_progress',
+           (floor(extract(EPOCH FROM c.t) - 1704067200)::int8 << 32)
+           | ('x' || left(gen_random_uuid()::text, 8))::bit(32)::int8,
+           c.t + p_lease, c.t
+    FROM (SELECT clock_timestamp() AS t) AS c
+    WHERE coalesce(length(p_scope) BETWEEN 1 AND 255 AND length(p_key) BETWEEN 1 AND 255
+                   AND octet_length(p_fingerprint) = 32 AND p_lease > interval '0', false)
+    ON CONFLICT (scope, key) DO NOTHING
+    RETURNING k.lease_token, k.created_at
+$$;
+
+COMMENT ON FUNCTION proto_s.claim_fast(text, text, bytea, interval) IS
+'PROTOTYPE (bench/prototype_v3.py): design S claim of a new key as one SQL statement.';
+
+CREATE FUNCTION proto_s.complete_fast(
+    p_scope text,
+    p_key text,
+    p_token bigint,
+    p_status integer,
+    p_body bytea,
+    p_content_type text,
+    p_headers jsonb DEFAULT '{}'
+)
+RETURNS boolean
+LANGUAGE sql
+VOLATILE
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+AS $$
+    WITH done AS (
+        UPDATE proto_s.keys AS k
+        SET state = 'completed', completed_at = c.t, response_created_at = c.t,
+            lease_expires_at = NULL
+        FROM (SELECT clock_timestamp() AS t) AS c
+        WHERE k.scope = p_scope AND k.key = p_key
+          AND k.lease_token = p_token AND k.state = 'in_progress'
+          AND coalesce(p_status BETWEEN 100 AND 599 AND length(p_content_type) <= 255, false)
+        RETURNING k.response_created_at
+    ), ins AS (
+        INSERT INTO proto_s.responses (scope, key, created_at, status, headers, body_bytes,
+                                       content_type)
+        SELECT p_scope, p_key, done.response_created_at, p_status, p_headers, p_body,
+               p_content_type
+        FROM done
+        RETURNING 1
+    )
+    SELECT EXISTS (SELECT FROM ins)
+$$;
+
+COMMENT ON FUNCTION proto_s.complete_fast(text, text, bigint, integer, bytea, text, jsonb) IS
+'PROTOTYPE (bench/prototype_v3.py): design S complete as one SQL statement; false if fenced out.';
