@@ -12,6 +12,9 @@ table; with --plot it also draws server statement time per HTTP request by varia
     .venv/bin/python bench/targets.py [--http build/bench/http.json] [--run build/bench/run.json]
                                       [--citus build/bench/citus.json] [--plot PATH]
 
+After the targets, a "context" table that is not a target: the server CPU per HTTP request,
+ours / recipe, and pgbench's floor / bare (what any PL/pgSQL design gives up).
+
 A missing file is reported as "not measured" for its targets (exit status 0 all the same:
 this is a report, the benchmarks are not tests).
 """
@@ -81,6 +84,29 @@ def citus_rows(data: dict[str, Any] | None, path: Path) -> list[tuple[str, ...]]
                 "<=", 1.2)]
 
 
+def context_rows(http: dict[str, Any] | None, run: dict[str, Any] | None) -> list[tuple[str, ...]]:
+    """Figures that are not targets but say what the targets leave out: the server CPU per
+    HTTP request (statement time counts execution only, and a function call's inner statements
+    are timed with their executor start-up, a top-level statement's are not: see
+    docs/benchmarks.md, "The PL/pgSQL floor"), and pgbench's floor / bare, what any PL/pgSQL
+    design gives up to the bare statements."""
+    rows = []
+    for r in (http or {}).get("results", []):
+        rounds = r["ratios"]["pg_cpu_ms_over_recipe"]
+        rows.append((f"PG CPU per request ours/recipe ({r['load']}, {r['clients']} clients)",
+                     ", ".join(f"{x:.2f}" for x in rounds),
+                     f"**{statistics.median(rounds):.2f}**"))
+    for r in (run or {}).get("results", []):
+        rounds = r["rounds"]
+        floor = [rd["floor"] / rd["bare"] for rd in rounds] if rounds and isinstance(
+            rounds[0], dict) and "floor" in rounds[0] else []
+        if floor:
+            rows.append((f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} "
+                         "clients)", ", ".join(f"{x:.2f}" for x in floor),
+                         f"**{statistics.median(floor):.2f}**"))
+    return rows
+
+
 def plot(data: dict[str, Any], path: Path, title: str) -> None:
     import matplotlib
 
@@ -128,6 +154,13 @@ def main() -> int:
         print("| " + " | ".join(r) + " |")
     met = sum(r[3].endswith(": met") for r in rows)
     print(f"\n{met} of {len(rows)} figures meet their target")
+    context = context_rows(http, load(args.run))
+    if context:
+        print("\nContext, not targets: per-round ratios and their median\n")
+        print("| figure | rounds | median |")
+        print("|---|---|---:|")
+        for r in context:
+            print("| " + " | ".join(r) + " |")
     if args.plot and http is not None:
         plot(http, args.plot, args.title)
     return 0
