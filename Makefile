@@ -56,11 +56,12 @@ RUFF_PATHS     := $(wildcard python tests tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
 # pytest-xdist workers for make test. The tests mostly wait (on servers, leases, child
-# processes), so three workers on two cores finish well before one; each worker starts its own
-# PG 15 and PG 18, and the tests that share a costly fixture (the Citus clusters, a module's
-# servers) are grouped on one worker (tests/conftest.py). PYTEST_WORKERS=0: one process.
+# processes), so three workers on two cores finish in half the time of one. Each worker is a
+# pytest session of its own: its own PG 15 and PG 18 (and Citus clusters when it runs a Citus
+# test). PYTEST_WORKERS=0: one process. (--dist loadgroup would keep a fixture's tests on one
+# worker, but xdist 3.8 cannot rename test ids on pytest 9.2, so its groups do nothing.)
 PYTEST_WORKERS ?= 3
-PYTEST_XDIST   := -n $(PYTEST_WORKERS) --dist loadgroup
+PYTEST_XDIST   := -n $(PYTEST_WORKERS) --dist load
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore

@@ -213,19 +213,3 @@ def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio only."""
     return "asyncio"
 
-
-# Modules whose module- or session-scoped fixtures are costly (their own servers, a
-# conformance run of every scenario a server): under pytest-xdist each such module runs on
-# one worker, so those fixtures are set up once, as in a plain run.
-XDIST_MODULE_GROUPS = {"test_conformance", "test_install", "test_pg_cron", "test_upgrade_grants"}
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the marks (its hook has no order)
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Groups for ``pytest -n N --dist loadgroup`` (make test): every test on a Citus cluster
-    runs on one worker (the clusters start once), and so does each module above."""
-    for item in items:
-        if "citus_cluster" in getattr(item, "fixturenames", ()):
-            item.add_marker(pytest.mark.xdist_group("citus"))
-        elif getattr(getattr(item, "module", None), "__name__", "") in XDIST_MODULE_GROUPS:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
