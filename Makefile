@@ -4,7 +4,7 @@
 #                build, node-postgres for the conformance runner, Citus built from
 #                ../shared/citus/ into both servers, cached in build/citus/), then lint,
 #                then pytest
-#                on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
+#                (PYTEST_WORKERS=3 processes, pytest-xdist) on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
 #                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
@@ -55,6 +55,13 @@ NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 RUFF_PATHS     := $(wildcard python tests tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
+# pytest-xdist workers for make test. The tests mostly wait (on servers, leases, child
+# processes), so three workers on two cores finish in half the time of one. Each worker is a
+# pytest session of its own: its own PG 15 and PG 18 (and Citus clusters when it runs a Citus
+# test). PYTEST_WORKERS=0: one process. (--dist loadgroup would keep a fixture's tests on one
+# worker, but xdist 3.8 cannot rename test ids on pytest 9.2, so its groups do nothing.)
+PYTEST_WORKERS ?= 3
+PYTEST_XDIST   := -n $(PYTEST_WORKERS) --dist load
 
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
@@ -64,7 +71,7 @@ export PIP_ROOT_USER_ACTION := ignore
 
 test: setup
 	@$(AS_TEST_USER) $(MAKE) --no-print-directory lint
-	$(AS_TEST_USER) $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	$(AS_TEST_USER) $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_XDIST) $(PYTEST_ARGS)
 
 setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus test-user
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: one PostgreSQL 15 and one PostgreSQL 18 server per session.
+"""Shared fixtures: one PostgreSQL 15 and one PostgreSQL 18 server per session (per worker
+under pytest-xdist).
 
 ``server`` is parametrized, so every test that uses it (directly or through ``db`` /
 ``template_dsn`` / ``empty_db``) runs once per server.  A test that exists for one
@@ -38,21 +39,27 @@ T = TypeVar("T")
 def install_built_extension(server: PgServer) -> list[str]:
     """Copy ``build/extension/*`` into the server's extension dir.
 
-    Older files of the same extensions are removed first: a stale
+    Older files of the same extensions that this build does not have are removed: a stale
     ``name--0.1--0.2.sql`` left by an earlier build would hide a missing upgrade script.
+    Each file is written under a temporary name and renamed into place, so a CREATE
+    EXTENSION running meanwhile (another pytest-xdist worker, another checkout: PG 15's
+    directory is the system one) reads either the old file or the new one, never a part.
     """
     if not BUILD_EXT.is_dir():
         return []
     dest = server.extension_dir
+    built = {src.name for src in BUILD_EXT.iterdir() if src.is_file()}
     for control in BUILD_EXT.glob("*.control"):
         for old in [*dest.glob(f"{control.stem}.control"), *dest.glob(f"{control.stem}--*")]:
-            old.unlink()
+            if old.name not in built:
+                old.unlink(missing_ok=True)  # another worker may have removed it first
     copied = []
-    for src in sorted(BUILD_EXT.iterdir()):
-        if src.is_file():
-            shutil.copyfile(src, dest / src.name)
-            os.chmod(dest / src.name, 0o644)
-            copied.append(src.name)
+    for name in sorted(built):
+        tmp = dest / f".{name}.{os.getpid()}.tmp"  # a name PostgreSQL never looks up
+        shutil.copyfile(BUILD_EXT / name, tmp)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, dest / name)
+        copied.append(name)
     return copied
 
 
@@ -205,3 +212,4 @@ def citus_db(citus_cluster: CitusCluster, server_pool: ServerPool) -> Iterator[s
 def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio only."""
     return "asyncio"
+

@@ -54,8 +54,14 @@ def _cached(name: str, sources: list[Path], build: Callable[[Path], None]) -> Pa
         tmp.mkdir(parents=True)
         build(tmp)
         (tmp / ".built").touch()
-        shutil.rmtree(out, ignore_errors=True)
-        tmp.rename(out)
+        if not (out / ".built").exists():
+            shutil.rmtree(out, ignore_errors=True)  # a half-built leftover
+        try:
+            tmp.rename(out)
+        except OSError:  # another process (a pytest-xdist worker) built it meanwhile
+            if not (out / ".built").exists():
+                raise
+            shutil.rmtree(tmp, ignore_errors=True)
         for old in BUILD.glob(f"{name}-*"):  # builds of older sources
             if old != out and not old.name.startswith(out.name):
                 shutil.rmtree(old, ignore_errors=True)
