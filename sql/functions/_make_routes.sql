@@ -52,8 +52,9 @@ AS $make$
 DECLARE
     -- One row per generated function: its name, its parameters, what it returns (held in
     -- v_done), its statement, in which @table@ is the table addressed (a partition, then the
-    -- parent as the last word) and @fn@ the function's name, its guess ('' for none: see
-    -- above; the partition is the one holding the route's completed_at), and what it is for. The fenced writes match only
+    -- parent as the last word) and @fn@ the function's name, the argument its guess goes by
+    -- ('' for no guess; see above: the guess is the same statement without its created_at
+    -- test, on the partition holding that argument), and what it is for. The fenced writes match only
     -- the caller's token on a key in progress; a lease only grows (greatest() ignores a NULL
     -- expires_at, which keeps the lease as it is).
     v_routes constant text[][] := ARRAY[
@@ -81,19 +82,7 @@ DECLARE
           AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
           AND k.created_at = @fn@.created_at
         RETURNING k.completed_at INTO v_done;$sql$,
-         $sql$
-        UPDATE @table@ AS k
-        SET state = 'completed',
-            lease_expires_at = NULL,
-            response_status = @fn@.status,
-            response_headers = @fn@.headers,
-            response_body = @fn@.body,
-            response_body_bytes = @fn@.body_bytes,
-            response_content_type = @fn@.content_type,
-            completed_at = @fn@.completed_at
-        WHERE k.scope = @fn@.scope AND k.key = @fn@.key
-          AND k.lease_token = @fn@.lease_token AND k.state = 'in_progress'
-        RETURNING k.completed_at INTO v_done;$sql$,
+         'completed_at',
          'complete()''s and complete_bytes()'' fenced UPDATE'],
         ['_heartbeat_row',
          'scope text, key text, lease_token bigint, created_at timestamptz, '
@@ -219,8 +208,9 @@ BEGIN
             -- PERFORM only sets FOUND to false again (the directory read set it), so that the
             -- test after those branches means "a branch found the row".
             v_lookup := idempotency._route_branches(
-                v_fn, 'completed_at', replace(v_routes[i][5], '@fn@', v_fn), v_names, v_lowers,
-                v_uppers);
+                v_fn, v_routes[i][5],
+                replace(v_stmt, format(E'\n          AND k.created_at = %s.created_at', v_fn), ''),
+                v_names, v_lowers, v_uppers);
             IF v_lookup <> '' THEN
                 v_lookup := v_lookup
                     || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
