@@ -140,9 +140,9 @@ DECLARE
     -- v_done), its statement, in which @table@ is the table addressed (a partition, then the
     -- parent as the last word) and @fn@ the function's name, the argument its guess goes by
     -- ('' for no guess; see above: the guess is the same statement without its created_at
-    -- test, on the partition holding that argument), and what it is for. The fenced writes match only
-    -- the caller's token on a key in progress; a lease only grows (greatest() ignores a NULL
-    -- expires_at, which keeps the lease as it is).
+    -- test, on the partition holding that argument), and what it is for. The fenced writes
+    -- match only the caller's token on a key in progress; a lease only grows (greatest()
+    -- ignores a NULL expires_at, which keeps the lease as it is).
     v_routes constant text[][] := ARRAY[
         ['_key_row', 'scope text, key text, created_at timestamptz', 'idempotency.keys', $sql$
         SELECT k.* INTO v_done
@@ -260,6 +260,7 @@ DECLARE
     v_stmt text;
     v_branches text;
     v_lookup text;
+    v_guess text;
     v_source text;
     v_proc text;
     v_signature regprocedure;
@@ -293,10 +294,18 @@ BEGIN
             -- The guess, then the directory's created_at for the branches below. The second
             -- PERFORM only sets FOUND to false again (the directory read set it), so that the
             -- test after those branches means "a branch found the row".
-            v_lookup := idempotency._route_branches(
-                v_fn, v_routes[i][5],
-                replace(v_stmt, format(E'\n          AND k.created_at = %s.created_at', v_fn), ''),
-                v_names, v_lowers, v_uppers);
+            v_guess := replace(v_stmt, format(E'\n          AND k.created_at = %s.created_at',
+                                              v_fn), '');
+            IF v_guess = v_stmt THEN
+                -- A guess that still compared created_at (NULL here) would never match: every
+                -- call would pay for it and read the directory anyway, and nothing would say so.
+                RAISE EXCEPTION USING
+                    MESSAGE = format('idempotency._make_routes: the statement of %s has no '
+                                     'created_at test line for its guess to leave out', v_fn),
+                    ERRCODE = 'internal_error';
+            END IF;
+            v_lookup := idempotency._route_branches(v_fn, v_routes[i][5], v_guess, v_names,
+                                                    v_lowers, v_uppers);
             IF v_lookup <> '' THEN
                 v_lookup := v_lookup
                     || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
