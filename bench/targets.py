@@ -36,11 +36,15 @@ def load(path: Path) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+def figure(name: str, rounds: list[float]) -> tuple[str, str, str]:
+    """A figure's name, its per-round ratios and their median, as table cells."""
+    return (name, ", ".join(f"{x:.2f}" for x in rounds), f"**{statistics.median(rounds):.2f}**")
+
+
 def row(target: str, rounds: list[float], op: str, limit: float) -> tuple[str, str, str, str]:
     med = statistics.median(rounds)
     met = med <= limit if op == "<=" else med >= limit
-    return (target, ", ".join(f"{x:.2f}" for x in rounds), f"**{med:.2f}**",
-            f"{op} {limit:g}: {'met' if met else 'NOT met'}")
+    return (*figure(target, rounds), f"{op} {limit:g}: {'met' if met else 'NOT met'}")
 
 
 def http_rows(data: dict[str, Any] | None, path: Path) -> list[tuple[str, ...]]:
@@ -90,20 +94,12 @@ def context_rows(http: dict[str, Any] | None, run: dict[str, Any] | None) -> lis
     are timed with their executor start-up, a top-level statement's are not: see
     docs/benchmarks.md, "The PL/pgSQL floor"), and pgbench's floor / bare, what any PL/pgSQL
     design gives up to the bare statements."""
-    rows = []
-    for r in (http or {}).get("results", []):
-        rounds = r["ratios"]["pg_cpu_ms_over_recipe"]
-        rows.append((f"PG CPU per request ours/recipe ({r['load']}, {r['clients']} clients)",
-                     ", ".join(f"{x:.2f}" for x in rounds),
-                     f"**{statistics.median(rounds):.2f}**"))
-    for r in (run or {}).get("results", []):
-        rounds = r["rounds"]
-        floor = [rd["floor"] / rd["bare"] for rd in rounds] if rounds and isinstance(
-            rounds[0], dict) and "floor" in rounds[0] else []
-        if floor:
-            rows.append((f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} "
-                         "clients)", ", ".join(f"{x:.2f}" for x in floor),
-                         f"**{statistics.median(floor):.2f}**"))
+    rows = [figure(f"PG CPU per request ours/recipe ({r['load']}, {r['clients']} clients)",
+                   r["ratios"]["pg_cpu_ms_over_recipe"])
+            for r in (http or {}).get("results", [])]
+    rows += [figure(f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} clients)",
+                    [rd["floor"] / rd["bare"] for rd in r["rounds"]])
+             for r in (run or {}).get("results", [])]
     return rows
 
 

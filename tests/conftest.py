@@ -212,4 +212,3 @@ def citus_db(citus_cluster: CitusCluster, server_pool: ServerPool) -> Iterator[s
 def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio only."""
     return "asyncio"
-
