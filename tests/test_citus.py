@@ -167,6 +167,48 @@ def test_per_key_calls_run_on_one_worker_in_one_hop(citus: Cluster) -> None:
                             (scope,)).fetchone() == ("completed",)
 
 
+def test_a_session_does_not_grow_with_every_call(citus: Cluster) -> None:
+    """Citus 13.2.2 and 14.0.1 keep a new local plan for every execution of a cached generic
+    plan whose shard is pruned at run time (citusdata/citus#8824): a PL/pgSQL statement by
+    scope, run on the node that holds the shard, grew its session by about 200 kB per
+    claim + complete, until the server ran out of memory. distribute() makes the per-key
+    functions plan each statement afresh on a cluster; this measures a session on the worker
+    that holds the scope (where a delegated body runs), call after call."""
+    scope = _scope()
+    with psycopg.connect(citus.node_of(scope), autocommit=True) as conn:
+        def pairs(n: int, start: int) -> None:
+            for i in range(start, start + n):
+                token = conn.execute(idem.queries.CLAIM, {
+                    "scope": scope, "key": f"k{i}", "request": '{"a": 1}', "lease": "30 s",
+                    "fingerprint": None, "strict": False,
+                    "reference_time": None}).fetchone()[1]
+                assert token is not None
+                conn.execute(idem.queries.COMPLETE, {
+                    "scope": scope, "key": f"k{i}", "lease_token": token, "status": 201,
+                    "body": "{}", "headers": "{}", "reference_time": None})
+
+        def used() -> int:
+            return conn.execute(
+                "SELECT sum(total_bytes - free_bytes) FROM pg_backend_memory_contexts"
+            ).fetchone()[0]
+
+        pairs(30, 0)  # every plan made, cached and used once
+        before = used()
+        pairs(300, 30)
+        grown = used() - before
+        assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE scope = %s"
+                            " AND state = 'completed'", (scope,)).fetchone() == (330,)
+        modes = dict(conn.execute(
+            "SELECT p.proname::text, p.proconfig FROM pg_proc AS p"
+            " WHERE p.pronamespace = 'idempotency'::regnamespace"
+            " AND p.proname IN ('claim', 'complete')").fetchall())
+    # 300 pairs leaked about 60 MB; a session's plans and caches stay well under 1 MB after
+    # warming up.
+    assert grown < 2 * 1024 * 1024, f"the session grew by {grown} bytes over 300 pairs"
+    assert all("plan_cache_mode=force_custom_plan" in (cfg or []) for cfg in modes.values()), \
+        modes
+
+
 def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
     """On a database without the citus extension: IK021, nothing changed."""
     db = f"idem_plain_{uuid.uuid4().hex[:8]}"

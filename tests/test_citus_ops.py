@@ -89,8 +89,9 @@ def make_keys(conn: psycopg.Connection[Any]) -> dict[str, Any]:
 def test_distribute_places_the_new_tables_and_functions(citus_cluster: Any,
                                                         cluster_db: str) -> None:
     with psycopg.connect(cluster_db, autocommit=True) as conn:
-        done = dict(conn.execute("SELECT object, action FROM idempotency.distribute(4)"
-                                 ).fetchall())
+        rows = conn.execute("SELECT object, action FROM idempotency.distribute(4)").fetchall()
+        custom = {o for o, a in rows if a.startswith("plans each statement afresh")}
+        done = {o: a for o, a in rows if not a.startswith("plans each statement afresh")}
         # Citus propagates most functions by itself when the migration creates them (the
         # workers are registered by then); distribute() creates the rest on every node. Either
         # way each one is a distributed object afterwards, none of them delegated.
@@ -107,6 +108,11 @@ def test_distribute_places_the_new_tables_and_functions(citus_cluster: Any,
             "SELECT count(*) FROM pg_dist_partition WHERE logicalrelid IN"
             " ('idempotency.grants'::regclass, 'idempotency.maintenance_runs'::regclass)"
         ).fetchone() == (0,)
+        # Custom plans for the per-key functions (see _citus_custom_plans), which the
+        # migrations' last statement could not set before keys was distributed.
+        assert {"idempotency.claim(text,text,jsonb,interval,bytea,boolean,timestamp with time"
+                " zone)", "idempotency._resume_existing(idempotency.keys,interval,timestamp"
+                " with time zone)"} <= custom, custom
         assert conn.execute("SELECT count(*) FROM idempotency.distribute()").fetchone() == (0,)
         # The shards of keys are on both workers.
         assert conn.execute(
@@ -241,9 +247,22 @@ def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> 
         conn.execute("SELECT lease_token FROM idempotency.claim('kept', 'k', '{}')")
     for migration in new:
         coordinator.run_psql(citus_db, migration, args=MIGRATION_PSQL_ARGS)
+    # The migrations alone (before distribute() again) leave the per-key functions with custom
+    # plans on every node: with the sources' generic plans, Citus's local plan cache would grow
+    # a worker's sessions with every call (see _citus_custom_plans).
+    for node in citus_cluster.nodes:
+        with psycopg.connect(node.dsn(citus_db.rsplit("/", 1)[1]), autocommit=True) as conn:
+            assert dict(conn.execute(
+                "SELECT p.proname::text, p.proconfig[2] FROM pg_proc AS p"
+                " WHERE p.pronamespace = 'idempotency'::regnamespace"
+                " AND p.proname IN ('claim', 'complete', 'release', '_resume_existing')"
+            ).fetchall()) == dict.fromkeys(
+                ["claim", "complete", "release", "_resume_existing"],
+                "plan_cache_mode=force_custom_plan"), node.name
     with psycopg.connect(citus_db, autocommit=True) as conn:
         again = dict(conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall())
         assert "idempotency.keys" not in again  # tables stay as they were distributed
+        assert not [a for a in again.values() if a.startswith("plans each")], again
         version = conn.execute("SELECT max(version) FROM idempotency.migrations").fetchone()[0]
         assert version == max(int(f.name[:4]) for f in files)
         for scope in SCOPES:

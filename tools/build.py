@@ -135,6 +135,14 @@ REGRANT = (
     "\n-- Every role granted with grant_usage() gets the functions of its kind as they are now.\n"
     "SELECT idempotency._reapply_grants() AS grants_reapplied;\n"
 )
+# From 0011 on, a migration then makes the functions it replaced plan each statement afresh
+# again on a Citus cluster (sql/functions/_citus_custom_plans.sql; nothing on one server): their
+# sources ask for generic plans, with which Citus's local plan cache grows with every call.
+CUSTOM_PLANS_FROM = 11
+CUSTOM_PLANS = (
+    "\n-- On a Citus cluster: custom plans for the per-key functions again (_citus_custom_plans).\n"
+    "SELECT count(*) AS custom_plans FROM idempotency._citus_custom_plans();\n"
+)
 MIGRATION_RE = re.compile(r"^(\d{4})_([a-z0-9_]+)\.sql$")
 # Released migrations, in sha256sum's format (`cd migrations && sha256sum -c SHA256SUMS`).
 FROZEN = MIGRATIONS / "SHA256SUMS"
@@ -211,6 +219,7 @@ def migration_epilogue(version: int, name: str) -> str:
     """What migration ``version`` says after its body."""
     return (
         (REGRANT if version >= REGRANT_FROM else "")
+        + (CUSTOM_PLANS if version >= CUSTOM_PLANS_FROM else "")
         + "\n-- Record this migration, whichever tool applied it.\n"
         "INSERT INTO idempotency.migrations (version, name)\n"
         f"VALUES ({version}, '{version:04d}_{name}')\n"

@@ -151,6 +151,12 @@ BEGIN
         action := 'regenerated without per-partition branches';
         RETURN NEXT;
     END IF;
+    -- Custom plans on a cluster (see _citus_custom_plans): Citus's local plan cache would grow
+    -- with every call.
+    FOR object IN SELECT f::text FROM idempotency._citus_custom_plans() AS f LOOP
+        action := 'plans each statement afresh (plan_cache_mode = force_custom_plan)';
+        RETURN NEXT;
+    END LOOP;
 END;
 $$;
 

@@ -2,7 +2,8 @@
 -- is explained in sql/upgrades/0002_maintenance.sql. Self-contained: only the objects added or
 -- changed here.
 --
--- 0011: the hot path of complete (0.11.0; issue "Engine v3", docs/benchmarks.md).
+-- 0011: the hot path of complete, and custom plans on Citus (0.11.0; issue "Engine v3",
+-- docs/benchmarks.md).
 -- - complete() and complete_bytes() check their arguments themselves and call the generated
 --   route _complete_row directly: two PL/pgSQL levels instead of three. _finish goes.
 -- - _complete_row, given created_at NULL, first tries the partition that holds the
@@ -10,6 +11,10 @@
 --   the directory read leaves complete's success path. Same signature, same answers (IK001 /
 --   IK004 through _lease_error).
 -- - _make_routes builds its branches with the new _route_branches().
+-- - On a Citus cluster, the per-key functions plan each statement afresh (force_custom_plan):
+--   with generic plans, Citus's local plan cache grew every session by ~230 kB per
+--   claim + complete (_citus_custom_plans, called by distribute() and from here on by every
+--   migration's end, since a migration puts the sources' generic plans back).
 -- No table changes; no data moves.
 
 -- @include functions/_route_branches.sql
@@ -17,6 +22,8 @@
 SELECT idempotency._make_routes() AS routes_made;
 -- @replace functions/complete.sql
 -- @replace functions/complete_bytes.sql
+-- @include functions/_citus_custom_plans.sql
+-- @replace functions/distribute.sql
 DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );

@@ -608,7 +608,7 @@ SELECT results_eq(
     $$VALUES
         ('_accept_row', 'v'), ('_canonical_json', 'i'), ('_check_headers', 'i'),
         ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
-        ('_checkpoint_row', 'v'),
+        ('_checkpoint_row', 'v'), ('_citus_custom_plans', 'v'),
         ('_complete_row', 'v'),
         ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
         ('_drop_released_row', 'v'),

@@ -1,0 +1,155 @@
+#!/usr/bin/env python3
+"""Benchmark: generic against custom plans for the per-key functions on Citus.
+
+Citus 13.2.2 and 14.0.1 plan a generic plan's statement on its local shard again on every
+execution and keep every such plan (citusdata/citus pull request 8824), so distribute() sets
+plan_cache_mode = force_custom_plan on the per-key functions (sql/functions/
+_citus_custom_plans.sql). This measures both settings on one cluster (bench/citus.py's: a
+coordinator, two workers, PostgreSQL 18 + Citus 14, fsync off):
+
+1. Memory: claim + complete through the coordinator with 4 pgbench clients for 30 s per
+   setting; the private memory (RssAnon, from /proc) of worker w1's client backends, the
+   sessions that run the delegated bodies, every 6 s.
+2. CPU: interleaved rounds of 8 s (after 2 s of warm-up with fresh sessions) of each setting
+   and of a single server; the workers' CPU per claim + complete and the throughput. Reported:
+   per round and medians, custom / generic and each / single server.
+
+The generic setting is the functions' own (what the migrations create, before distribute()
+changes it); "custom" is what distribute() leaves. A benchmark: it asserts nothing.
+
+    .venv/bin/python bench/citus_plans.py [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psycopg
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import citus as bench  # noqa: E402
+from pgproc import clock_ticks  # noqa: E402
+
+# Custom plans, as distribute() set them, and the sources' settings to go back to.
+SETTINGS_SQL = """
+SELECT p.oid::regprocedure::text, p.proconfig
+FROM pg_proc AS p
+WHERE p.pronamespace = 'idempotency'::regnamespace
+  AND 'plan_cache_mode=force_custom_plan' = ANY (p.proconfig)
+"""
+GENERIC = ("claim", "heartbeat", "checkpoint", "accept", "release", "takeover",
+           "_resume_existing", "_lease_error")
+
+
+def set_plans(dsn: str, functions: list[str], mode: str) -> None:
+    """mode 'custom': what distribute() does; 'generic': the sources' own settings (a
+    plan_cache_mode clause only on the functions whose source has one)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for fn in functions:
+            if mode == "custom":
+                conn.execute(f"ALTER FUNCTION {fn} SET plan_cache_mode = force_custom_plan")
+            elif fn.split("(")[0].removeprefix("idempotency.") in GENERIC:
+                conn.execute(f"ALTER FUNCTION {fn} SET plan_cache_mode = force_generic_plan")
+            else:
+                conn.execute(f"ALTER FUNCTION {fn} RESET plan_cache_mode")
+
+
+def rss_anon_kb(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssAnon:"):
+            return int(line.split()[1])
+    return 0
+
+
+def memory(cluster, script: Path, seconds: int = 30) -> list[list[int]]:
+    """RssAnon (kB) of w1's client backends every 6 s while pgbench runs."""
+    worker = cluster.workers[0]
+    proc = subprocess.Popen(
+        [str(cluster.coordinator.bindir / "pgbench"), "-n", "-M", "prepared", "-c", "4",
+         "-j", "2", "-T", str(seconds), "-f", str(script), cluster.coordinator.dsn(bench.DB)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    samples = []
+    time.sleep(3)
+    while proc.poll() is None and len(samples) < seconds // 6:
+        with psycopg.connect(worker.dsn(bench.DB), autocommit=True) as conn:
+            pids = [r[0] for r in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE backend_type = 'client backend'"
+                " AND pid <> pg_backend_pid() AND datname = %s", (bench.DB,)).fetchall()]
+        samples.append(sorted((rss_anon_kb(p) for p in pids), reverse=True)[:4])
+        time.sleep(6)
+    proc.communicate()
+    return samples
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    cluster, single, about = bench.setup(None)
+    try:
+        coordinator = cluster.coordinator.dsn(bench.DB)
+        with psycopg.connect(coordinator, autocommit=True) as conn:
+            functions = [r[0] for r in conn.execute(SETTINGS_SQL).fetchall()]
+        print(f"{about}; distribute() set custom plans on {len(functions)} functions",
+              flush=True)
+        for node in [*cluster.nodes, single]:
+            with psycopg.connect(node.dsn(bench.DB), autocommit=True) as conn:
+                conn.execute("ALTER SYSTEM SET pg_stat_statements.track = 'top'")
+                conn.execute("SELECT pg_reload_conf()")
+        nodes = {n.name: n for n in cluster.nodes}
+        workers = [w.name for w in cluster.workers]
+        ticks = clock_ticks()
+        with tempfile.TemporaryDirectory() as tmp:
+            script = Path(tmp) / "claim_complete.pgbench"
+            script.write_text(bench.PGBENCH_SCRIPT)
+            print("\n1. RssAnon of w1's four busiest client backends (MB), every 6 s:")
+            for mode in ("generic", "custom"):
+                set_plans(coordinator, functions, mode)
+                for i, sample in enumerate(memory(cluster, script)):
+                    print(f"  {mode:<8s} t={3 + 6 * i:2d} s  "
+                          + " ".join(f"{kb / 1024:7.1f}" for kb in sample), flush=True)
+            print(f"\n2. claim + complete, 4 clients, {args.rounds} interleaved rounds of 8 s:")
+            cpu: dict[str, list[float]] = {"generic": [], "custom": [], "single": []}
+            tps: dict[str, list[float]] = {"generic": [], "custom": [], "single": []}
+            for i in range(1, args.rounds + 1):
+                for mode in ("generic", "custom", "single"):
+                    if mode == "single":
+                        r = bench.pgbench_round([single], {"single": single}, single, script, 8,
+                                                4, ticks)
+                        cpu[mode].append(r["servers"]["single"]["cpu_us"] / max(r["pairs"], 1))
+                    else:
+                        set_plans(coordinator, functions, mode)
+                        bench.pgbench_round([cluster.coordinator], nodes, cluster.coordinator,
+                                            script, 2, 4, ticks)
+                        r = bench.pgbench_round([cluster.coordinator], nodes,
+                                                cluster.coordinator, script, 8, 4, ticks)
+                        cpu[mode].append(sum(r["servers"][w]["cpu_us"] for w in workers)
+                                         / max(r["pairs"], 1))
+                    tps[mode].append(r["tps"])
+                g, c, s = (cpu[m][-1] for m in ("generic", "custom", "single"))
+                print(f"  round {i}: workers' CPU per pair generic {g:5.0f} µs, custom {c:5.0f}"
+                      f" µs ({c / g:.2f}); single server {s:4.0f} µs; tps generic "
+                      f"{tps['generic'][-1]:5.0f}, custom {tps['custom'][-1]:5.0f}", flush=True)
+            def ratio(top: list[float], bottom: list[float]) -> float:
+                return statistics.median(t / b for t, b in zip(top, bottom, strict=True))
+
+            print(f"  medians: workers' CPU custom / generic "
+                  f"{ratio(cpu['custom'], cpu['generic']):.3f}; tps custom / generic "
+                  f"{ratio(tps['custom'], tps['generic']):.3f}; workers / single server: "
+                  f"generic {ratio(cpu['generic'], cpu['single']):.2f}, custom "
+                  f"{ratio(cpu['custom'], cpu['single']):.2f}")
+        set_plans(coordinator, functions, "custom")
+    finally:
+        single.stop()
+        cluster.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
