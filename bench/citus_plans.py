@@ -1,21 +1,24 @@
 #!/usr/bin/env python3
-"""Benchmark: generic against custom plans for the per-key functions on Citus.
+"""Benchmark: generic against custom plans, and complete's guess, on Citus.
 
 Citus 13.2.2 and 14.0.1 plan a generic plan's statement on its local shard again on every
 execution and keep every such plan (citusdata/citus pull request 8824), so distribute() sets
 plan_cache_mode = force_custom_plan on the per-key functions (sql/functions/
-_citus_custom_plans.sql). This measures both settings on one cluster (bench/citus.py's: a
-coordinator, two workers, PostgreSQL 18 + Citus 14, fsync off):
+_citus_custom_plans.sql); and without partition branches _complete_row first tries the key's
+last hour instead of reading key_directory (sql/functions/_make_routes.sql). This measures
+both on one cluster (bench/citus.py's: a coordinator, two workers, PostgreSQL 18 + Citus 14,
+fsync off):
 
-1. Memory: claim + complete through the coordinator with 4 pgbench clients for 30 s per
-   setting; the private memory (RssAnon, from /proc) of worker w1's client backends, the
-   sessions that run the delegated bodies, every 6 s.
-2. CPU: interleaved rounds of 8 s (after 2 s of warm-up with fresh sessions) of each setting
-   and of a single server; the workers' CPU per claim + complete and the throughput. Reported:
-   per round and medians, custom / generic and each / single server.
+1. Memory: claim + complete through the coordinator with 4 pgbench clients for 30 s with
+   generic and with custom plans; the private memory (RssAnon, from /proc) of worker w1's
+   client backends, the sessions that run the delegated bodies, every 6 s.
+2. CPU: interleaved rounds of 8 s (after 2 s of warm-up with fresh sessions) of three variants
+   and a single server: "generic" (the functions' own plan setting, no guess: 0.11.0 before
+   both changes), "custom" (custom plans, no guess) and "custom+guess" (what distribute()
+   leaves now); the workers' CPU per claim + complete and the throughput. Reported: per round
+   and medians, each variant / generic, and each / the single server.
 
-The generic setting is the functions' own (what the migrations create, before distribute()
-changes it); "custom" is what distribute() leaves. A benchmark: it asserts nothing.
+A benchmark: it asserts nothing.
 
     .venv/bin/python bench/citus_plans.py [--rounds 5]
 """
@@ -60,6 +63,13 @@ def set_plans(dsn: str, functions: list[str], mode: str) -> None:
                 conn.execute(f"ALTER FUNCTION {fn} RESET plan_cache_mode")
 
 
+def without_guess(definition: str) -> str:
+    """_complete_row's definition without its guess: the directory read comes first."""
+    start = "    IF _complete_row.created_at IS NULL THEN\n"
+    i = definition.index(start) + len(start)
+    return definition[:i] + definition[definition.index("    SELECT d.created_at INTO"):]
+
+
 def rss_anon_kb(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("RssAnon:"):
@@ -96,6 +106,15 @@ def main() -> int:
         coordinator = cluster.coordinator.dsn(bench.DB)
         with psycopg.connect(coordinator, autocommit=True) as conn:
             functions = [r[0] for r in conn.execute(SETTINGS_SQL).fetchall()]
+            guess = conn.execute("SELECT pg_get_functiondef("
+                                 "'idempotency._complete_row'::regproc)").fetchone()[0]
+        routes = {True: guess, False: without_guess(guess)}
+
+        def variant(name: str) -> None:
+            set_plans(coordinator, functions, "generic" if name == "generic" else "custom")
+            with psycopg.connect(coordinator, autocommit=True) as conn:
+                conn.execute(routes[name == "custom+guess"])
+
         print(f"{about}; distribute() set custom plans on {len(functions)} functions",
               flush=True)
         for node in [*cluster.nodes, single]:
@@ -110,41 +129,44 @@ def main() -> int:
             script.write_text(bench.PGBENCH_SCRIPT)
             print("\n1. RssAnon of w1's four busiest client backends (MB), every 6 s:")
             for mode in ("generic", "custom"):
-                set_plans(coordinator, functions, mode)
+                variant(mode)
                 for i, sample in enumerate(memory(cluster, script)):
                     print(f"  {mode:<8s} t={3 + 6 * i:2d} s  "
                           + " ".join(f"{kb / 1024:7.1f}" for kb in sample), flush=True)
             print(f"\n2. claim + complete, 4 clients, {args.rounds} interleaved rounds of 8 s:")
-            cpu: dict[str, list[float]] = {"generic": [], "custom": [], "single": []}
-            tps: dict[str, list[float]] = {"generic": [], "custom": [], "single": []}
+            names = ("generic", "custom", "custom+guess", "single")
+            cpu: dict[str, list[float]] = {n: [] for n in names}
+            tps: dict[str, list[float]] = {n: [] for n in names}
             for i in range(1, args.rounds + 1):
-                for mode in ("generic", "custom", "single"):
-                    if mode == "single":
+                for name in names:
+                    if name == "single":
                         r = bench.pgbench_round([single], {"single": single}, single, script, 8,
                                                 4, ticks)
-                        cpu[mode].append(r["servers"]["single"]["cpu_us"] / max(r["pairs"], 1))
+                        cpu[name].append(r["servers"]["single"]["cpu_us"] / max(r["pairs"], 1))
                     else:
-                        set_plans(coordinator, functions, mode)
+                        variant(name)
                         bench.pgbench_round([cluster.coordinator], nodes, cluster.coordinator,
                                             script, 2, 4, ticks)
                         r = bench.pgbench_round([cluster.coordinator], nodes,
                                                 cluster.coordinator, script, 8, 4, ticks)
-                        cpu[mode].append(sum(r["servers"][w]["cpu_us"] for w in workers)
+                        cpu[name].append(sum(r["servers"][w]["cpu_us"] for w in workers)
                                          / max(r["pairs"], 1))
-                    tps[mode].append(r["tps"])
-                g, c, s = (cpu[m][-1] for m in ("generic", "custom", "single"))
-                print(f"  round {i}: workers' CPU per pair generic {g:5.0f} µs, custom {c:5.0f}"
-                      f" µs ({c / g:.2f}); single server {s:4.0f} µs; tps generic "
-                      f"{tps['generic'][-1]:5.0f}, custom {tps['custom'][-1]:5.0f}", flush=True)
+                    tps[name].append(r["tps"])
+                print(f"  round {i}: workers' CPU per pair "
+                      + ", ".join(f"{n} {cpu[n][-1]:5.0f} µs" for n in names[:3])
+                      + f"; single server {cpu['single'][-1]:4.0f} µs; tps "
+                      + ", ".join(f"{n} {tps[n][-1]:5.0f}" for n in names), flush=True)
+
             def ratio(top: list[float], bottom: list[float]) -> float:
                 return statistics.median(t / b for t, b in zip(top, bottom, strict=True))
 
-            print(f"  medians: workers' CPU custom / generic "
-                  f"{ratio(cpu['custom'], cpu['generic']):.3f}; tps custom / generic "
-                  f"{ratio(tps['custom'], tps['generic']):.3f}; workers / single server: "
-                  f"generic {ratio(cpu['generic'], cpu['single']):.2f}, custom "
-                  f"{ratio(cpu['custom'], cpu['single']):.2f}")
-        set_plans(coordinator, functions, "custom")
+            for name in names[1:3]:
+                print(f"  {name} / generic, medians: workers' CPU "
+                      f"{ratio(cpu[name], cpu['generic']):.3f}, tps "
+                      f"{ratio(tps[name], tps['generic']):.3f}")
+            print("  workers' CPU / single server's, medians: " + ", ".join(
+                f"{n} {ratio(cpu[n], cpu['single']):.2f}" for n in names[:3]))
+        variant("custom+guess")
     finally:
         single.stop()
         cluster.stop()

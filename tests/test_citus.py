@@ -209,6 +209,48 @@ def test_a_session_does_not_grow_with_every_call(citus: Cluster) -> None:
         modes
 
 
+def test_complete_guesses_the_hour_and_falls_back_to_the_directory(citus: Cluster) -> None:
+    """On a cluster the routes have no partition branches; complete() first looks for a key
+    created in the hour before its own time, without reading key_directory (a statement through
+    Citus's executor like any other), and reads the directory only when that misses: a key
+    claimed two hours ago. Same answers either way: IK001 for a stale token, IK004 for a second
+    completion. Measured on the worker that holds the scope, where a delegated body runs."""
+    scope = _scope()
+    directory_locks = (
+        "SELECT count(*) FROM pg_locks AS l JOIN pg_class AS c ON c.oid = l.relation"
+        " WHERE l.pid = pg_backend_pid() AND c.relname LIKE 'key\\_directory%'")
+    with psycopg.connect(citus.node_of(scope)) as conn:
+        fresh = conn.execute("SELECT lease_token FROM idempotency.claim(%s, 'now', '{}')",
+                             (scope,)).fetchone()[0]
+        old = conn.execute("SELECT lease_token FROM idempotency.claim(%s, 'old', '{}', "
+                           "reference_time => clock_timestamp() - interval '2 hours')",
+                           (scope,)).fetchone()[0]
+        conn.commit()
+        assert conn.execute("SELECT idempotency.complete(%s, 'now', %s, 201, '{}') IS NOT NULL",
+                            (scope, fresh)).fetchone()[0] is True
+        assert conn.execute(directory_locks).fetchone()[0] == 0
+        conn.commit()
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT idempotency.complete(%s, 'old', %s, 201, '{}')",
+                         (scope, old - 1))
+        assert info.value.sqlstate == "IK001"
+        conn.rollback()
+        assert conn.execute("SELECT idempotency.complete(%s, 'old', %s, 200, '{}') IS NOT NULL",
+                            (scope, old)).fetchone()[0] is True
+        assert conn.execute(directory_locks).fetchone()[0] > 0
+        conn.commit()
+        for key, token in (("now", fresh), ("old", old)):
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute("SELECT idempotency.complete(%s, %s, %s, 201, '{}')",
+                             (scope, key, token))
+            assert info.value.sqlstate == "IK004", key
+            conn.rollback()
+        assert conn.execute(
+            "SELECT key, state, response_status FROM idempotency.keys WHERE scope = %s"
+            " ORDER BY key", (scope,)).fetchall() == [("now", "completed", 201),
+                                                     ("old", "completed", 200)]
+
+
 def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
     """On a database without the citus extension: IK021, nothing changed."""
     db = f"idem_plain_{uuid.uuid4().hex[:8]}"

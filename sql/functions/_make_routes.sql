@@ -27,7 +27,9 @@
 --   did not expect (or the default partition) is still found. Only failures pay for that.
 --
 -- A route may also have a guess: a statement run first, when the caller passes created_at NULL,
--- on the partition that holds another of its arguments, without reading key_directory. Only
+-- on the partition that holds another of its arguments (without partitions to branch on, as on
+-- Citus: on the parent, for a key created in the hour up to that argument), without reading
+-- key_directory. Only
 -- _complete_row has one: complete() comes within a lease of the claim, so the key's row is
 -- nearly always in the partition of the completion's own time, and the directory read it saves
 -- was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3"). A wrong guess (a
@@ -223,6 +225,19 @@ BEGIN
             IF v_lookup <> '' THEN
                 v_lookup := v_lookup
                     || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+            ELSE
+                -- No partitions to branch on (on Citus the statement goes to the scope's
+                -- shard, and the shard's partitions are pruned where it runs): the guess is
+                -- the statement on the parent for a key created in the hour up to the
+                -- argument, which the plan prunes to the one or two partitions holding that
+                -- hour. On Citus a directory read is a statement through Citus's executor
+                -- like any other, which the guess saves.
+                v_lookup := replace(replace(v_stmt, format(
+                        E'\n          AND k.created_at = %s.created_at', v_fn), format(
+                        E'\n          AND k.created_at > %1$s.%2$s - interval ''1 hour'''
+                        || E'\n          AND k.created_at <= %1$s.%2$s', v_fn, v_routes[i][5])),
+                    '@table@', 'idempotency.keys')
+                    || E'\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
             END IF;
             v_lookup := format(
                 E'\n    IF %1$s.created_at IS NULL THEN%2$s'
