@@ -48,9 +48,16 @@ WHERE l.pid = pg_backend_pid() AND l.locktype = 'relation' AND c.relkind = 'r'
 
 
 def partitions(conn: psycopg.Connection[Any]) -> list[str]:
+    """In the routes' order: those begun, newest first, then those made ahead."""
     return [r[0] for r in conn.execute(
         "SELECT partition_name FROM idempotency._partitions('keys') "
-        "WHERE NOT is_default ORDER BY lower_bound DESC").fetchall()]
+        "WHERE NOT is_default ORDER BY lower_bound > now(), lower_bound DESC").fetchall()]
+
+
+def oldest_partition(conn: psycopg.Connection[Any]) -> str:
+    return conn.execute(
+        "SELECT partition_name FROM idempotency._partitions('keys') "
+        "WHERE NOT is_default ORDER BY lower_bound LIMIT 1").fetchone()[0]
 
 
 MIDNIGHT = "date_trunc('day', now() AT TIME ZONE 'UTC') AT TIME ZONE 'UTC'"
@@ -108,10 +115,14 @@ def test_routes_follow_the_partitions_and_change_only_when_they_do(db: str) -> N
         assert len(parts) >= 4
         for fn in ROUTES:
             src = route_source(conn, fn)
-            # One branch per partition, newest first, then the parent.
+            # One branch per partition: today's first, then the older ones newest first, then
+            # those made ahead, then the parent.
             named = [p for p in parts if f"idempotency.{p} AS k" in src]
             assert named == parts, (fn, parts)
-            assert src.index(parts[0]) < src.index(parts[-1]) < src.index("idempotency.keys AS k")
+            at = [src.index(f"idempotency.{p} AS k") for p in parts]
+            assert at == sorted(at), (fn, parts)
+            assert parts[0] == today_partition(conn)
+            assert at[-1] < src.index("idempotency.keys AS k")
         assert conn.execute("SELECT idempotency._make_routes()").fetchone()[0] is False
         oid = conn.execute("SELECT 'idempotency._key_row'::regproc::oid").fetchone()[0]
         xmin = conn.execute("SELECT xmin::text FROM pg_proc WHERE oid = %s", (oid,)).fetchone()
@@ -337,7 +348,7 @@ def test_a_fenced_call_waiting_for_a_partition_drop(db: str, name: str) -> None:
     42P01."""
     with psycopg.connect(db, autocommit=True) as conn:
         add_past_days(conn, 3)
-        victim = partitions(conn)[-1]
+        victim = oldest_partition(conn)
         lower = conn.execute("SELECT lower_bound FROM idempotency._partitions('keys') "
                              "WHERE partition_name = %s", (victim,)).fetchone()[0]
         tok = conn.execute(
@@ -386,7 +397,7 @@ def test_a_partition_dropped_behind_the_routes_back(db: str) -> None:
     IK001 as well, not 42P01."""
     with psycopg.connect(db, autocommit=True) as conn:
         add_past_days(conn, 3)
-        victim = partitions(conn)[-1]  # the oldest
+        victim = oldest_partition(conn)
         lower = conn.execute("SELECT lower_bound FROM idempotency._partitions('keys') "
                              "WHERE partition_name = %s", (victim,)).fetchone()[0]
         toks = {}

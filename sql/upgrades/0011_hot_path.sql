@@ -10,7 +10,9 @@
 --   completion's own time (its guess) and reads key_directory only when that finds no row:
 --   the directory read leaves complete's success path. Same signature, same answers (IK001 /
 --   IK004 through _lease_error).
--- - _make_routes builds its branches with the new _route_branches().
+-- - _make_routes builds its branches with the new _route_branches(), today's partition first
+--   (the ones made ahead last); without partitions (Citus) _complete_row's guess is the UPDATE
+--   on the parent for a key created in the hour up to the completion.
 -- - On a Citus cluster, the per-key functions plan each statement afresh (force_custom_plan):
 --   with generic plans, Citus's local plan cache grew every session by ~230 kB per
 --   claim + complete (_citus_custom_plans, called by distribute() and from here on by every
