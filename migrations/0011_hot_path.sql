@@ -122,14 +122,13 @@ partition of keys, chosen by the argument arg.';
 -- A route may also have a guess: a statement run first, when the caller passes created_at NULL,
 -- on the partition that holds another of its arguments (without partitions to branch on, as on
 -- Citus: on the parent, for a key created in the hour up to that argument), without reading
--- key_directory. Only
--- _complete_row has one: complete() comes within a lease of the claim, so the key's row is
--- nearly always in the partition of the completion's own time, and the directory read it saves
--- was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3"). A wrong guess (a
--- complete after a takeover days later, or across midnight) matches no row, and the route reads
--- created_at from key_directory and goes on as any route: correct either way, since (scope, key)
--- has one row in all the partitions (key_directory's primary key) and the guess compares the
--- token as every fenced statement does.
+-- key_directory. Only _complete_row has one: complete() comes within a lease of the claim, so
+-- the key's row is nearly always in the partition of the completion's own time, and the
+-- directory read it saves was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3").
+-- A wrong guess (a complete after a takeover days later, or across midnight) matches no row,
+-- and the route reads created_at from key_directory and goes on as any route: correct either
+-- way, since (scope, key) has one row in all the partitions (key_directory's primary key) and
+-- the guess compares the token as every fenced statement does.
 --
 -- Called by _create_partition (when it makes a partition of keys) and at the end of maintain();
 -- it replaces a function only when the text changes, since every replacement makes each session
@@ -576,9 +575,9 @@ $$;
 COMMENT ON FUNCTION idempotency._citus_custom_plans() IS
 'Internal: on a distributed install, set plan_cache_mode = force_custom_plan on the delegated
 functions, on those that set plan_cache_mode, and on every PL/pgSQL function naming a
-distributed table (routes excepted); returns
-the functions changed. Works around a Citus local plan cache that grows with every execution.
-Run by distribute() and at the end of every migration from 0011 on.';
+distributed table (routes excepted); returns the functions changed. Works around a Citus local
+plan cache that grows with every execution. Run by distribute() and at the end of every
+migration from 0011 on.';
 
 -- sql/functions/distribute.sql
 -- The one step that spreads an install over a Citus cluster (docs/scale-out.md). Run it on the

@@ -57,6 +57,6 @@ $$;
 COMMENT ON FUNCTION idempotency._citus_custom_plans() IS
 'Internal: on a distributed install, set plan_cache_mode = force_custom_plan on the delegated
 functions, on those that set plan_cache_mode, and on every PL/pgSQL function naming a
-distributed table (routes excepted); returns
-the functions changed. Works around a Citus local plan cache that grows with every execution.
-Run by distribute() and at the end of every migration from 0011 on.';
+distributed table (routes excepted); returns the functions changed. Works around a Citus local
+plan cache that grows with every execution. Run by distribute() and at the end of every
+migration from 0011 on.';

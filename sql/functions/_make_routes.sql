@@ -29,14 +29,13 @@
 -- A route may also have a guess: a statement run first, when the caller passes created_at NULL,
 -- on the partition that holds another of its arguments (without partitions to branch on, as on
 -- Citus: on the parent, for a key created in the hour up to that argument), without reading
--- key_directory. Only
--- _complete_row has one: complete() comes within a lease of the claim, so the key's row is
--- nearly always in the partition of the completion's own time, and the directory read it saves
--- was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3"). A wrong guess (a
--- complete after a takeover days later, or across midnight) matches no row, and the route reads
--- created_at from key_directory and goes on as any route: correct either way, since (scope, key)
--- has one row in all the partitions (key_directory's primary key) and the guess compares the
--- token as every fenced statement does.
+-- key_directory. Only _complete_row has one: complete() comes within a lease of the claim, so
+-- the key's row is nearly always in the partition of the completion's own time, and the
+-- directory read it saves was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3").
+-- A wrong guess (a complete after a takeover days later, or across midnight) matches no row,
+-- and the route reads created_at from key_directory and goes on as any route: correct either
+-- way, since (scope, key) has one row in all the partitions (key_directory's primary key) and
+-- the guess compares the token as every fenced statement does.
 --
 -- Called by _create_partition (when it makes a partition of keys) and at the end of maintain();
 -- it replaces a function only when the text changes, since every replacement makes each session
