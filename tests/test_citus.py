@@ -141,6 +141,22 @@ def test_distribute_twice_changes_nothing_and_places_the_tables(citus: Cluster) 
         src = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = '_complete_row'"
                            " AND pronamespace = 'idempotency'::regnamespace").fetchone()[0]
         assert "to_regclass" not in src and "UPDATE idempotency.keys AS k" in src
+    # Custom plans on every node for every function that runs per-key statements (see
+    # _citus_custom_plans); the routes take their caller's.
+    custom = {"claim", "complete", "complete_bytes", "heartbeat", "checkpoint", "accept",
+              "release", "takeover", "inbox_accept", "_resume_existing", "_lease_error",
+              "key_status", "inspect_key", "force_release", "list_keys", "list_abandoned"}
+    routes = {"_key_row", "_complete_row", "_heartbeat_row", "_checkpoint_row", "_accept_row",
+              "_release_row", "_drop_released_row", "_resume_row"}
+    for dsn in [citus.dsn, *citus.worker_dsns()]:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            modes = dict(conn.execute(
+                "SELECT p.proname::text, coalesce(array_to_string(p.proconfig, ' '), '')"
+                " FROM pg_proc AS p WHERE p.pronamespace = 'idempotency'::regnamespace"
+                " AND p.proname = ANY (%s)", (sorted(custom | routes),)).fetchall())
+        assert {f for f, m in modes.items() if "plan_cache_mode=force_custom_plan" in m} \
+            == custom, dsn
+        assert {f: m for f, m in modes.items() if f in routes} == dict.fromkeys(routes, ""), dsn
 
 
 def test_per_key_calls_run_on_one_worker_in_one_hop(citus: Cluster) -> None:
