@@ -39,25 +39,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import citus as bench  # noqa: E402
 from pgproc import clock_ticks  # noqa: E402
 
-# Custom plans, as distribute() set them, and the sources' settings to go back to.
-SETTINGS_SQL = """
-SELECT p.oid::regprocedure::text, p.proconfig
+# The functions of the schema with a plan_cache_mode setting: on the cluster, the ones
+# distribute() set to custom plans; on the single server (no distribute()), the ones whose
+# source asks for generic plans.
+PLAN_MODE_SQL = """
+SELECT p.oid::regprocedure::text
 FROM pg_proc AS p
 WHERE p.pronamespace = 'idempotency'::regnamespace
-  AND 'plan_cache_mode=force_custom_plan' = ANY (p.proconfig)
+  AND %s = ANY (p.proconfig)
 """
-GENERIC = ("claim", "heartbeat", "checkpoint", "accept", "release", "takeover",
-           "_resume_existing", "_lease_error")
 
 
-def set_plans(dsn: str, functions: list[str], mode: str) -> None:
+def with_plan_mode(dsn: str, mode: str) -> list[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return [r[0] for r in conn.execute(PLAN_MODE_SQL, (f"plan_cache_mode={mode}",))]
+
+
+def set_plans(dsn: str, functions: list[str], generic: set[str], mode: str) -> None:
     """mode 'custom': what distribute() does; 'generic': the sources' own settings (a
-    plan_cache_mode clause only on the functions whose source has one)."""
+    plan_cache_mode clause only on the functions in generic, whose source has one)."""
     with psycopg.connect(dsn, autocommit=True) as conn:
         for fn in functions:
             if mode == "custom":
                 conn.execute(f"ALTER FUNCTION {fn} SET plan_cache_mode = force_custom_plan")
-            elif fn.split("(")[0].removeprefix("idempotency.") in GENERIC:
+            elif fn in generic:
                 conn.execute(f"ALTER FUNCTION {fn} SET plan_cache_mode = force_generic_plan")
             else:
                 conn.execute(f"ALTER FUNCTION {fn} RESET plan_cache_mode")
@@ -104,18 +109,21 @@ def main() -> int:
     cluster, single, about = bench.setup(None)
     try:
         coordinator = cluster.coordinator.dsn(bench.DB)
+        functions = with_plan_mode(coordinator, "force_custom_plan")
+        generic = set(with_plan_mode(single.dsn(bench.DB), "force_generic_plan"))
         with psycopg.connect(coordinator, autocommit=True) as conn:
-            functions = [r[0] for r in conn.execute(SETTINGS_SQL).fetchall()]
             guess = conn.execute("SELECT pg_get_functiondef("
                                  "'idempotency._complete_row'::regproc)").fetchone()[0]
         routes = {True: guess, False: without_guess(guess)}
 
         def variant(name: str) -> None:
-            set_plans(coordinator, functions, "generic" if name == "generic" else "custom")
+            set_plans(coordinator, functions, generic,
+                      "generic" if name == "generic" else "custom")
             with psycopg.connect(coordinator, autocommit=True) as conn:
                 conn.execute(routes[name == "custom+guess"])
 
-        print(f"{about}; distribute() set custom plans on {len(functions)} functions",
+        print(f"{about}; distribute() set custom plans on {len(functions)} functions; the "
+              f"sources ask for generic plans on {len(generic)}",
               flush=True)
         for node in [*cluster.nodes, single]:
             with psycopg.connect(node.dsn(bench.DB), autocommit=True) as conn:
