@@ -237,3 +237,41 @@ def test_the_package_prepares_nothing_on_a_direct_connection(
     with psycopg.connect(db, autocommit=True) as conn:
         lifecycle(conn, 15, "on")
         assert conn.execute(prepared, prepare=False).fetchone()[0] >= 4
+
+
+def test_allow_prepared_statements_follows_each_connection(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The opt-in for processes with no transaction-mode pooler: allowed, the package's
+    statements are prepared as the connection's prepare_threshold says (psycopg's default 5:
+    prepared; None: never); switched off again, nothing more is prepared. Anything but a bool
+    is refused and changes nothing."""
+    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    lifecycle_sql = "SELECT name, statement FROM pg_prepared_statements ORDER BY name"
+
+    def lifecycle(conn: psycopg.Connection[Any], n: int, tag: str) -> None:
+        for i in range(n):
+            with idem.operation(conn, "allow", f"{tag}-{i}", {"i": i}) as op:
+                conn.execute("SELECT 1", prepare=False)  # a business statement, unprepared
+                op.complete(200, {"i": i})
+            assert idem.claim(conn, "allow", f"{tag}-{i}", {"i": i}).outcome == "replay"
+
+    with pytest.raises(TypeError, match="allowed must be True or False"):
+        idem.allow_prepared_statements("yes")  # type: ignore[arg-type]
+    assert core._PREPARE is False
+    idem.allow_prepared_statements()
+    with psycopg.connect(db, autocommit=True) as conn:
+        lifecycle(conn, 8, "on")
+        statements = conn.execute(lifecycle_sql, prepare=False).fetchall()
+        texts = " ".join(s for _, s in statements)
+        assert "idempotency.claim(" in texts and "idempotency.complete" in texts, statements
+        # and they were used: the replays of the last rounds ran through them
+        assert conn.execute("SELECT outcome FROM idempotency.claim('allow', 'on-0', "
+                            "'{\"i\": 0}')", prepare=False).fetchone()[0] == "replay"
+    with psycopg.connect(db, autocommit=True, prepare_threshold=None) as conn:
+        lifecycle(conn, 8, "none")
+        assert conn.execute(lifecycle_sql, prepare=False).fetchall() == []
+    idem.allow_prepared_statements(False)
+    assert core._PREPARE is False
+    with psycopg.connect(db, autocommit=True) as conn:
+        lifecycle(conn, 8, "off")
+        assert conn.execute(lifecycle_sql, prepare=False).fetchall() == []

@@ -32,7 +32,14 @@ from .api import (
     release,
     takeover,
 )
-from .core import DEFAULT_LEASE, AbandonedKey, ClaimResult, Outcome, StoredResponse
+from .core import (
+    DEFAULT_LEASE,
+    AbandonedKey,
+    ClaimResult,
+    Outcome,
+    StoredResponse,
+    allow_prepared_statements,
+)
 from .errors import (
     AlreadyCompleted,
     IdempotencyError,
@@ -60,6 +67,7 @@ __all__ = [
     "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
     "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound", "Operation",
     "Outcome", "PgCronNotInstalled", "StoredResponse", "UsageError", "accept",
+    "allow_prepared_statements",
     "canonical_json", "checkpoint", "claim", "complete", "derive_key", "fingerprint",
     "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation", "release",
     "takeover",

@@ -282,7 +282,26 @@ class AbandonedKey:
 #: heartbeat() ran another's prepared release() and deleted its key. Unnamed statements (Parse
 #: and Bind of "") live for one statement only. The cost is measured in docs/benchmarks.md
 #: (bench/prepare.py). Tests set it to None (psycopg's default) to show what it prevents.
+#: allow_prepared_statements() sets it, for processes with no such pooler in between.
 _PREPARE: bool | None = False
+
+
+def allow_prepared_statements(allowed: bool = True) -> None:
+    """Let psycopg prepare the package's statements as each connection's ``prepare_threshold``
+    says (``allowed=True``), or never (``False``: the default). For the whole process.
+
+    Preparing saves the server the parse and plan of every call (claim and complete are
+    function calls with a dozen casts and columns: about 75 and 40 µs of server CPU each on
+    PostgreSQL 15, docs/benchmarks.md). Allow it only when no transaction-mode pooler (pgbouncer
+    before 1.21 without ``max_prepared_statements``) sits between this process and the server:
+    there a statement prepared by one client can run as another's (docs/install.md,
+    "Connection poolers"). A connection with ``prepare_threshold=None`` still prepares
+    nothing."""
+    if not isinstance(allowed, bool):
+        raise TypeError(f"allow_prepared_statements: allowed must be True or False, "
+                        f"not {allowed!r}")
+    global _PREPARE
+    _PREPARE = None if allowed else False
 
 
 # -- what the generators ask the drivers for -------------------------------------------------
