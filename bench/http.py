@@ -41,14 +41,18 @@ PostgreSQL's own cost per answer is taken over the measuring window only (the tr
 the warm-up are outside it): the client prints a line when the window opens and when it closes,
 and at each the driver snapshots, from a connection to another database, the top-level
 statements' execution time and calls in the bench database (``pg_stat_statements``, preloaded,
-``track = top``, BEGIN and COMMIT included), ``pg_current_wal_insert_lsn()`` and the CPU ticks
-of every process of the server (bench/pgproc.py). It prints, per variant and load, statement
-time, CPU and WAL bytes per request with ours (middleware) over recipe and over none per round
-and their medians; bench/targets.py reads them from --json.
+``track = top``, BEGIN and COMMIT included), ``pg_current_wal_insert_lsn()``, and the CPU ticks
+of every process of the server and the time they waited for a CPU while runnable (bench/pgproc.py,
+/proc/PID/schedstat). It prints, per variant and load, statement time, CPU, run-queue wait and
+WAL bytes per request with ours (middleware) over recipe and over none per round and their
+medians; bench/targets.py reads them from --json. On a machine whose cores are all busy (the
+load client, uvicorn and PostgreSQL share them here) a statement's execution time includes its
+backend's run-queue waits, and the wait column says how much of the server's time that is.
 This is a benchmark, not a test: apart from the duplicate count it prints numbers only.
 
     .venv/bin/python bench/http.py [--seconds 5] [--rounds 3] [--clients 16,64]
                                    [--loads fresh,replay30] [--pool 16] [--json PATH]
+                                   [--prepared]
 """
 
 from __future__ import annotations
@@ -356,12 +360,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_servers(dsn: str, pool_size: int) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
+def start_servers(dsn: str, pool_size: int, prepared: bool
+                  ) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
     servers = {}
     for variant in VARIANTS:
         port = free_port()
+        opt_in = ["--prepared"] if prepared and variant == "middleware" else []
         proc = subprocess.Popen([sys.executable, str(SELF), "--serve", variant, "--dsn", dsn,
-                                 "--port", str(port), "--pool", str(pool_size)])
+                                 "--port", str(port), "--pool", str(pool_size), *opt_in])
         servers[variant] = (proc, port)
     for variant, (proc, port) in servers.items():
         deadline = time.monotonic() + 60
@@ -392,7 +398,8 @@ def pg_snapshot(pg: Any, stats: Any) -> dict[str, Any]:
     database (``stats`` is a connection to another database, so its own queries are not
     counted), the WAL insert position, and the CPU ticks of all its processes."""
     ms, calls, lsn = stats.execute(PG_COUNTERS).fetchone()
-    return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": pgproc.server_cpu(pg)}
+    return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": pgproc.server_cpu(pg),
+            "runqueue": pgproc.server_runqueue(pg)}
 
 
 def pg_window(before: dict[str, Any], after: dict[str, Any], stats: Any,
@@ -402,9 +409,11 @@ def pg_window(before: dict[str, Any], after: dict[str, Any], stats: Any,
     wal = stats.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)::float8",
                         (after["lsn"], before["lsn"])).fetchone()[0]
     ticks = pgproc.cpu_delta(before["cpu"], after["cpu"])
+    waited = pgproc.cpu_delta(before["runqueue"], after["runqueue"])
     return {"stmt_ms": (after["exec_ms"] - before["exec_ms"]) / n,
             "stmts": (after["calls"] - before["calls"]) / n,
             "pg_cpu_ms": ticks * 1000 / pgproc.clock_ticks() / n,
+            "pg_wait_ms": waited / 1e6 / n,
             "wal_bytes": wal / n}
 
 
@@ -457,8 +466,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         server.run_psql(dsn, SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
         version = " ".join(server.version.split()[:2])
         print(f"{version}, default durability; pool {args.pool} per server; "
+              f"ours {'with' if args.prepared else 'without'} prepared statements; "
               f"{args.rounds} round(s) x {args.seconds}s after {args.warmup}s warm-up", flush=True)
-        servers = start_servers(dsn, args.pool)
+        servers = start_servers(dsn, args.pool, args.prepared)
         results = []
         try:
             with psycopg.connect(dsn, autocommit=True) as conn, \
@@ -481,6 +491,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                                       f"  PG: stmt {res['stmt_ms']:.3f} ms"
                                       f" ({res['stmts']:.1f} stmts)"
                                       f" CPU {res['pg_cpu_ms']:.3f} ms"
+                                      f" run-queue {res['pg_wait_ms']:.3f} ms"
                                       f" WAL {res['wal_bytes']:4.0f} B /req"
                                       f"  replayed {res['replayed']:5d}  "
                                       f"non-2xx {res['non_2xx']}  "
@@ -496,7 +507,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return results
 
 
-PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "wal_bytes")
+PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "pg_wait_ms", "wal_bytes")
 
 
 def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -527,11 +538,12 @@ def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str
 
 def print_server_cost(results: list[dict[str, Any]]) -> None:
     labels = {"rps": "requests/s", "stmt_ms": "statement ms/req", "pg_cpu_ms": "PG CPU ms/req",
-              "wal_bytes": "WAL bytes/req"}
+              "pg_wait_ms": "PG run-queue wait ms/req", "wal_bytes": "WAL bytes/req"}
     print("\nPostgreSQL's cost per request in the measuring window (medians of the rounds; "
           "statement time: pg_stat_statements, top level; CPU: every server process, /proc; "
-          "WAL: pg_current_wal_insert_lsn delta), and ours (middleware) over recipe and none, "
-          "per round and median:\n")
+          "run-queue wait: the time those processes were runnable but waited for a CPU, "
+          "/proc/PID/schedstat; WAL: pg_current_wal_insert_lsn delta), and ours (middleware) "
+          "over recipe and none, per round and median:\n")
     print("| load | figure | none | recipe | ours | ours/recipe per round (median) "
           "| ours/none per round (median) |")
     print("|---|---|---:|---:|---:|---|---|")
@@ -557,6 +569,10 @@ def main() -> int:
     parser.add_argument("--loads", default=",".join(LOADS))
     parser.add_argument("--pool", type=int, default=16, help="pool size of every server")
     parser.add_argument("--json", metavar="PATH", help="write all results here")
+    parser.add_argument("--prepared", action="store_true",
+                        help="ours with pg_idempotency.allow_prepared_statements() (the opt-in "
+                             "for processes with no transaction-mode pooler); the recipe's "
+                             "statements are prepared by psycopg's default in every run")
     # internal: the server and client subprocesses
     parser.add_argument("--serve", choices=VARIANTS, help=argparse.SUPPRESS)
     parser.add_argument("--dsn", help=argparse.SUPPRESS)
@@ -564,6 +580,10 @@ def main() -> int:
     parser.add_argument("--client", metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
+        if args.prepared:
+            import pg_idempotency
+
+            pg_idempotency.allow_prepared_statements()
         serve(args.serve, args.dsn, args.port, args.pool)
         return 0
     if args.client:
@@ -597,7 +617,7 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
-             "pool": args.pool, "results": results}, indent=2) + "\n")
+             "pool": args.pool, "prepared": args.prepared, "results": results}, indent=2) + "\n")
     bad_dups = sum(r["duplicates"]["middleware"] + r["duplicates"]["recipe"] for r in results)
     if bad_dups:
         print(f"DUPLICATES: {bad_dups} ledger rows with a repeated key (middleware/recipe)")

@@ -291,12 +291,12 @@ def allow_prepared_statements(allowed: bool = True) -> None:
     says (``allowed=True``), or never (``False``: the default). For the whole process.
 
     Preparing saves the server the parse and plan of every call (claim and complete are
-    function calls with a dozen casts and columns: about 75 and 40 µs of server CPU each on
-    PostgreSQL 15, docs/benchmarks.md). Allow it only when no transaction-mode pooler (pgbouncer
-    before 1.21 without ``max_prepared_statements``) sits between this process and the server:
-    there a statement prepared by one client can run as another's (docs/install.md,
-    "Connection poolers"). A connection with ``prepare_threshold=None`` still prepares
-    nothing."""
+    function calls with a dozen casts and columns: about 75 µs of server CPU for a claim and
+    140 µs for claim + complete on PostgreSQL 15, docs/benchmarks.md). Allow it only when no
+    transaction-mode pooler (pgbouncer before 1.21 without ``max_prepared_statements``) sits
+    between this process and the server: there a statement prepared by one client can run as
+    another's (docs/install.md, "Connection poolers"). A connection with
+    ``prepare_threshold=None`` still prepares nothing."""
     if not isinstance(allowed, bool):
         raise TypeError(f"allow_prepared_statements: allowed must be True or False, "
                         f"not {allowed!r}")
