@@ -92,11 +92,18 @@ def context_rows(http: dict[str, Any] | None, run: dict[str, Any] | None) -> lis
     """Figures that are not targets but say what the targets leave out: the server CPU per
     HTTP request (statement time counts execution only, and a function call's inner statements
     are timed with their executor start-up, a top-level statement's are not: see
-    docs/benchmarks.md, "The PL/pgSQL floor"), and pgbench's floor / bare, what any PL/pgSQL
+    docs/benchmarks.md, "The PL/pgSQL floor"), the server's run-queue wait per request (what
+    of the statement time is waiting for a CPU), and pgbench's floor / bare, what any PL/pgSQL
     design gives up to the bare statements."""
     rows = [figure(f"PG CPU per request ours/recipe ({r['load']}, {r['clients']} clients)",
                    r["ratios"]["pg_cpu_ms_over_recipe"])
             for r in (http or {}).get("results", [])]
+    # the time the server's processes waited for a CPU, inside the statement time when the
+    # machine's cores are all busy (bench/http.py; absent from runs before it was measured)
+    rows += [figure(f"PG run-queue wait per request ours/recipe ({r['load']}, "
+                    f"{r['clients']} clients)", r["ratios"]["pg_wait_ms_over_recipe"])
+             for r in (http or {}).get("results", [])
+             if "pg_wait_ms_over_recipe" in r["ratios"]]
     rows += [figure(f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} clients)",
                     [rd["floor"] / rd["bare"] for rd in r["rounds"]])
              for r in (run or {}).get("results", [])]
