@@ -275,3 +275,37 @@ def test_allow_prepared_statements_follows_each_connection(
     with psycopg.connect(db, autocommit=True) as conn:
         lifecycle(conn, 8, "off")
         assert conn.execute(lifecycle_sql, prepare=False).fetchall() == []
+
+
+def test_prepared_statements_outlive_an_upgrade_of_the_functions(
+        db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the opt-in, a long-lived connection keeps using its prepared claim and complete
+    while a migration replaces the functions (CREATE OR REPLACE) and widens claim_result (ALTER
+    TYPE ... ADD ATTRIBUTE): the server re-plans them; no error, no second preparation, the
+    same answers."""
+    monkeypatch.setattr(core, "_PREPARE", False)
+    idem.allow_prepared_statements()
+    with psycopg.connect(db, autocommit=True) as app, \
+            psycopg.connect(db, autocommit=True) as owner:
+        def walk(i: int) -> None:
+            with idem.operation(app, "upgrade", f"k{i}", {"i": i}) as op:
+                assert op.outcome == "claimed"
+                op.complete(201, {"i": i})
+            replay = idem.claim(app, "upgrade", f"k{i}", {"i": i})
+            assert replay.outcome == "replay" and replay.response.json() == {"i": i}
+
+        for i in range(6):
+            walk(i)
+        prepared = app.execute("SELECT count(*) FROM pg_prepared_statements",
+                               prepare=False).fetchone()[0]
+        assert prepared >= 3
+        for fn in ("claim", "complete_bytes"):
+            owner.execute(owner.execute("SELECT pg_get_functiondef(%s::regproc)",
+                                        (f"idempotency.{fn}",)).fetchone()[0])
+        owner.execute("ALTER TYPE idempotency.claim_result ADD ATTRIBUTE spare integer")
+        for i in range(6, 12):
+            walk(i)
+        assert app.execute("SELECT count(*) FROM pg_prepared_statements",
+                           prepare=False).fetchone()[0] == prepared
+        assert app.execute("SELECT count(*) FROM idempotency.keys WHERE scope = 'upgrade' "
+                           "AND state = 'completed'", prepare=False).fetchone()[0] == 12
