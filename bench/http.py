@@ -396,7 +396,8 @@ def cpu_seconds(pid: int) -> float:
 def pg_snapshot(pg: Any, stats: Any) -> dict[str, Any]:
     """The server's counters now: top-level statements' execution time and calls in the bench
     database (``stats`` is a connection to another database, so its own queries are not
-    counted), the WAL insert position, and the CPU ticks of all its processes."""
+    counted), the WAL insert position, and the CPU ticks and run-queue waits of all its
+    processes."""
     ms, calls, lsn = stats.execute(PG_COUNTERS).fetchone()
     return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": pgproc.server_cpu(pg),
             "runqueue": pgproc.server_runqueue(pg)}
