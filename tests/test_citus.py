@@ -830,3 +830,57 @@ def test_other_runners_through_the_coordinator(conformance_citus: str,
 def conformance_citus(citus_cluster: Any) -> Iterator[str]:
     """A database of its own (the scenarios TRUNCATE the tables), distributed."""
     yield installed(citus_cluster, "idem_conf", 4).dsn
+
+
+def test_prepared_statements_opt_in_through_the_coordinator(
+        citus: Cluster, citus_roles: list[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """allow_prepared_statements() on Citus, as the request role through the coordinator:
+    past psycopg's threshold the claim and complete are prepared statements on the coordinator
+    (generic plans, the scope a parameter), and each call is still delegated to the scope's
+    worker in one command, with the same answers; a SQLAlchemy session as well."""
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    from pg_idempotency import core
+    from pg_idempotency.sqlalchemy import operation as sa_operation
+
+    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    idem.allow_prepared_statements()
+    request_role = citus_roles[0]
+    dsn = citus.coordinator.dsn(citus.db, user=request_role)
+    scope = _scope()
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for i in range(8):
+            with idem.operation(conn, scope, f"p{i}", {"i": i}) as op:
+                assert op.outcome == "claimed"
+                op.complete(201, {"i": i})
+        prepared = conn.execute("SELECT statement FROM pg_prepared_statements",
+                                prepare=False).fetchall()
+        texts = " ".join(r[0] for r in prepared)
+        assert "idempotency.claim(" in texts and "idempotency.complete" in texts, prepared
+        notices: list[str] = []
+        conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        conn.execute("SET citus.log_remote_commands = on", prepare=False)
+        conn.execute("SET client_min_messages = log", prepare=False)
+        replay = idem.claim(conn, scope, "p3", {"i": 3})
+        assert replay.outcome == "replay" and replay.response.json() == {"i": 3}
+        held = idem.claim(conn, scope, "p9", {"i": 9})
+        assert held.outcome == "claimed"
+        issued = [n for n in notices if n.startswith("issuing")]
+        assert len(issued) == 2 and all("idempotency.claim(" in n for n in issued), issued
+    engine = create_engine("postgresql+psycopg://" + dsn.split("://", 1)[1])
+    try:
+        with Session(engine) as session:
+            for i in range(6):
+                with sa_operation(session, scope, f"sa{i}", {"n": i}) as op:
+                    assert op.replay is None
+                    op.complete(201, {"n": i})
+            with sa_operation(session, scope, "sa0", {"n": 0}) as op:
+                assert op.replay is not None and op.replay.json() == {"n": 0}
+    finally:
+        engine.dispose()
+    with psycopg.connect(citus.node_of(scope), autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FILTER (WHERE state = 'completed'),"
+                            " count(*) FILTER (WHERE state = 'in_progress')"
+                            " FROM idempotency.keys WHERE scope = %s",
+                            (scope,)).fetchone() == (14, 1)

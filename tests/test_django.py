@@ -525,3 +525,40 @@ def test_citus_eight_concurrent_requests_over_http(citus_app_db: str) -> None:
 
 def test_citus_lease_takeover_fences_the_old_worker(citus_app_db: str, monkeypatch: Any) -> None:
     test_lease_takeover_fences_the_old_worker(citus_app_db, monkeypatch)
+
+
+
+def test_prepared_statements_opt_in_follows_django_options(plain_db: str,
+                                                           monkeypatch: Any) -> None:
+    """allow_prepared_statements() under Django: Django's connections have
+    prepare_threshold=None unless OPTIONS say otherwise, so the view's claims and completions
+    stay unprepared; with OPTIONS server_side_binding and prepare_threshold 5 they are
+    prepared, and replays still answer the same."""
+    import pg_idempotency
+    from pg_idempotency import core
+
+    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    pg_idempotency.allow_prepared_statements()
+    prepared = "SELECT statement FROM pg_prepared_statements"
+    client = Client()
+    for i in range(8):
+        assert post(client, f"plain-{i}").status_code == 201
+    raw = connections["default"].connection
+    assert raw.prepare_threshold is None
+    assert raw.execute(prepared, prepare=False).fetchall() == []
+    connections.close_all()
+    options = connections["default"].settings_dict.setdefault("OPTIONS", {})
+    monkeypatch.setitem(options, "server_side_binding", True)
+    monkeypatch.setitem(options, "prepare_threshold", 5)
+    try:
+        first = [post(client, f"bound-{i}") for i in range(8)]
+        assert [r.status_code for r in first] == [201] * 8
+        raw = connections["default"].connection
+        texts = " ".join(r[0] for r in raw.execute(prepared, prepare=False).fetchall())
+        assert "idempotency.claim(" in texts and "idempotency.complete" in texts, texts
+        again = post(client, "bound-3")
+        assert again.status_code == 201 and again.content == first[3].content
+        assert again.headers["Idempotent-Replayed"] == "true"
+    finally:
+        connections.close_all()
+    assert counts() == (16, 32, 16)
