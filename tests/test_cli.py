@@ -15,6 +15,7 @@ import pytest
 from psycopg import sql
 
 import pg_idempotency as idem
+from conftest import login_roles
 from pg_idempotency import cli
 from pg_idempotency.migrate import RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH
 from pgharness import PgServer, flavour_bindir
@@ -239,9 +240,10 @@ def test_status_summarises_per_scope_with_a_limit_and_json(empty_db: str) -> Non
     proc = run("status", "--dsn", empty_db, "--limit", "2")
     assert proc.returncode == 0, proc.stderr
     lines = proc.stdout.splitlines()
-    assert lines[0].split()[:5] == ["scope", "keys", "in_progress", "completed", "tombstone"]
-    assert lines[2].split()[:5] == ["big", "5", "3", "2", "0"]
-    assert lines[3].split()[:5] == ["mid", "3", "2", "1", "0"]
+    assert lines[0].split()[:6] == ["scope", "keys", "in_progress", "completed", "released",
+                                    "tombstone"]
+    assert lines[2].split()[:6] == ["big", "5", "3", "2", "0", "0"]
+    assert lines[3].split()[:6] == ["mid", "3", "2", "1", "0", "0"]
     assert lines[4] == "... and 1 more scopes with 1 keys (--limit)"
     assert "small" not in proc.stdout
 
@@ -250,13 +252,51 @@ def test_status_summarises_per_scope_with_a_limit_and_json(empty_db: str) -> Non
     doc = json.loads(proc.stdout)
     assert doc["scopes_total"] == 3 and [s["scope"] for s in doc["scopes"]] == ["big"]
     big = doc["scopes"][0]
-    assert (big["keys"], big["in_progress"], big["completed"], big["tombstone"]) == (5, 3, 2, 0)
+    assert (big["keys"], big["in_progress"], big["completed"], big["released"],
+            big["tombstone"]) == (5, 3, 2, 0, 0)
     assert big["oldest_in_progress_key"] == "k0" and big["expired_leases"] == 0
     assert any(p["note"] == "default" for p in doc["partitions"])
     assert doc["next_drop"] is None or "drop_after" in doc["next_drop"]
 
     proc = run("status", "--dsn", empty_db, "--limit", "0")
     assert proc.returncode == 2 and "--limit" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_status_counts_add_up_with_released_keys(empty_db: str) -> None:
+    """A released key stays a row (state released, from 0.9.0 on): status shows it in a
+    column of its own, so that every scope's keys are the sum of its state columns."""
+    assert run("migrate", "--dsn", empty_db).returncode == 0
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        for i in range(4):
+            claimed = idem.claim(conn, "acct_sum", f"k{i}", {})
+            if i == 1:
+                idem.complete(conn, "acct_sum", f"k{i}", claimed.lease_token, 200)
+            if i >= 2:
+                idem.release(conn, "acct_sum", f"k{i}", claimed.lease_token)
+    proc = run("status", "--dsn", empty_db, "--json")
+    assert proc.returncode == 0, proc.stderr
+    (row,) = json.loads(proc.stdout)["scopes"]
+    states = {s: row[s] for s in ("in_progress", "completed", "released", "tombstone")}
+    assert states == {"in_progress": 1, "completed": 1, "released": 2, "tombstone": 0}
+    assert row["keys"] == sum(states.values()) == 4
+    proc = run("status", "--dsn", empty_db)
+    header, _, line = proc.stdout.splitlines()[:3]
+    assert header.split()[:6] == ["scope", "keys", "in_progress", "completed", "released",
+                                  "tombstone"]
+    assert line.split()[:6] == ["acct_sum", "4", "1", "1", "2", "0"]
+
+
+@pytest.mark.parametrize("command", ["status", "maintain", "migrate", "keys list"])
+def test_application_role_is_told_to_run_as_the_schema_owner(
+        server: PgServer, empty_db: str, command: str) -> None:
+    """The least-privilege role of docs/install.md has the engine's functions only: the CLI's
+    commands read the schema's tables, and say whose job they are instead of a bare
+    'permission denied for table migrations'."""
+    assert run("migrate", "--dsn", empty_db).returncode == 0
+    with login_roles(server, empty_db, "request") as (role,):
+        proc = run(*command.split(), "--dsn", server.dsn(empty_db.rsplit("/", 1)[1], user=role))
+        assert_one_line_error(proc, "run this as the schema owner", "SQLSTATE 42501")
+        assert proc.returncode == 1
 
 
 @pytest.mark.parametrize("command", ["maintain", "status"])

@@ -510,8 +510,13 @@ _BAD_OPTION = re.compile(r"invalid (\w+ )+value|invalid integer value|invalid po
 
 
 def _describe(exc: psycopg.Error) -> str:
-    """'SQLSTATE 42501: permission denied for ...' (the primary message only)."""
+    """'SQLSTATE 23505: duplicate key ...' (the primary message only). A permission error
+    (42501) says first what to do: the CLI's commands read the schema's tables, which only the
+    schema owner can (an application role granted by grant_usage() has its functions alone)."""
     message = exc.diag.message_primary or str(exc)
+    if exc.sqlstate == "42501":
+        return (f"run this as the schema owner (the role that ran '{PROG} migrate'), not as "
+                f"an application role (SQLSTATE 42501: {_one_line(message)})")
     if exc.sqlstate:
         return f"SQLSTATE {exc.sqlstate}: {_one_line(message)}"
     return _one_line(message)

@@ -198,7 +198,9 @@ def format_report(steps: Sequence[MaintenanceStep]) -> str:
 
 
 #: The states key_status() reports, in the order the summary shows them.
-STATES = ("in_progress", "completed", "tombstone")
+# Every state key_status() reports, so that a scope's "keys" is the sum of its columns
+# (a released key stays a row, in state released, from 0.9.0 on).
+STATES = ("in_progress", "completed", "released", "tombstone")
 
 
 def scope_summary(status: Status) -> list[dict[str, Any]]:
