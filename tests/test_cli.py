@@ -54,6 +54,21 @@ def test_console_script_is_installed() -> None:
     assert CLI.exists(), f"{CLI}: run make test (or pip install .) first"
 
 
+def test_sql_path_prints_the_installed_migrations_folder() -> None:
+    """What docs/install.md's RunSQL and Alembic recipes read: the installed package's own
+    files, byte-identical to migrations/ (the venv's package is installed, not editable)."""
+    from pg_idempotency.migrate import sql_path
+
+    proc = run("sql-path")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    folder = Path(proc.stdout.strip())
+    assert proc.stdout == f"{folder}\n" and folder == sql_path()
+    assert folder.parent.name == "pg_idempotency" and "site-packages" in folder.parts, folder
+    assert [f.name for f in sorted(folder.glob("*.sql"))] == [f.name for f in MIGRATIONS]
+    for f in MIGRATIONS:
+        assert (folder / f.name).read_bytes() == f.read_bytes(), f.name
+
+
 @pytest.mark.parametrize(
     "args, needles",
     [

@@ -2,6 +2,7 @@
 
     pg-idempotency migrate [--dsn DSN]     apply pending migrations (DSN defaults to $DATABASE_URL)
     pg-idempotency sql > install.sql       print all migrations as one SQL script
+    pg-idempotency sql-path                the folder of the installed migration files
     pg-idempotency maintain [--dsn DSN]    retention: partitions ahead, expired partitions dropped
     pg-idempotency status [--dsn DSN]      keys per scope by state, partitions, the next drop
                   [--limit N] [--json]
@@ -42,7 +43,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from . import __version__, maintenance, queries
-from .migrate import MigrationError, install_sql, migrate, migrations
+from .migrate import MigrationError, install_sql, migrate, migrations, sql_path
 
 PROG = "pg-idempotency"
 # Seconds to wait for the server when neither the DSN nor PGCONNECT_TIMEOUT says: without it
@@ -80,6 +81,14 @@ def cmd_sql(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
         raise CliError(str(exc)) from None
     sys.stdout.write(text)
     sys.stdout.flush()
+    return 0
+
+
+def cmd_sql_path(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
+    try:
+        print(sql_path())
+    except MigrationError as exc:
+        raise CliError(str(exc)) from None
     return 0
 
 
@@ -369,6 +378,13 @@ COMMANDS: list[Command] = [
         "migration tool or for psql: pg-idempotency sql | psql -X -1 -v ON_ERROR_STOP=1 "
         "-d DSN. The script records its versions in idempotency.migrations, so a later "
         "'pg-idempotency migrate' applies only newer migrations.",
+    ),
+    Command(
+        "sql-path", run=cmd_sql_path,
+        help="print the folder of the installed migration files",
+        description="Print the folder where the installed package keeps its migration files "
+        "(NNNN_name.sql), for a tool that reads them itself: Django RunSQL, Alembic, Flyway, "
+        "a psql loop (docs/install.md). Also pg_idempotency.migrate.sql_path().",
     ),
     Command(
         "maintain", run=cmd_maintain, database=True, needs_schema=True,

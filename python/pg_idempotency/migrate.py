@@ -11,8 +11,9 @@ is the same whichever tool applied it, and :func:`migrate` skips what another to
     ...     migrate(conn)
     [1]
 
-For another migration tool, :func:`install_sql` returns all migrations as one script and
-:func:`migrations` returns them one by one (version, name, SQL). A tool that goes on in the
+For another migration tool, :func:`install_sql` returns all migrations as one script,
+:func:`migrations` returns them one by one (version, name, SQL), and :func:`sql_path` names the
+folder that holds the files (``pg-idempotency sql-path`` prints it). A tool that goes on in the
 same transaction after a file (Django's ``RunSQL``, Alembic) puts :data:`SAVE_SEARCH_PATH`
 before it and :data:`RESTORE_SEARCH_PATH` after it: 0001-0009 pin ``search_path`` until the end
 of the transaction (docs/install.md).
@@ -23,13 +24,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from importlib import resources
+from importlib.abc import Traversable
+from pathlib import Path
 
 import psycopg
 from psycopg import sql
 from psycopg.pq import TransactionStatus
 
 __all__ = ["LOCK_KEY", "RESTORE_SEARCH_PATH", "SAVE_SEARCH_PATH", "Migration", "MigrationError",
-           "install_sql", "migrate", "migrations"]
+           "install_sql", "migrate", "migrations", "sql_path"]
 
 #: Key of the transaction-scoped advisory lock every migration transaction takes first
 #: (``pg_advisory_xact_lock(LOCK_KEY)``): the ASCII bytes ``idem_mig`` read as a big-endian
@@ -82,15 +85,31 @@ class Migration:
         return f"{self.name}.sql"
 
 
-def migrations() -> list[Migration]:
-    """The bundled migrations in version order (numbered 0001, 0002, ... without gaps)."""
+def _folder() -> Traversable:
     folder = resources.files("pg_idempotency").joinpath("migrations")
     if not folder.is_dir():
         raise MigrationError(
             "the pg_idempotency package has no bundled migrations/ directory "
-            "(install the package, e.g. pip install pg-idempotency, rather than importing "
-            "python/ from a source checkout)"
+            "(install the package, e.g. pip install ./pg_idempotency from a checkout, rather "
+            "than importing python/ from a source checkout)"
         )
+    return folder
+
+
+def sql_path() -> Path:
+    """The folder of the installed package's migration files (``NNNN_name.sql``), for a tool
+    that reads them itself: Django ``RunSQL``, Alembic, Flyway, a psql loop (docs/install.md).
+    The files are the package's own; read them, do not change them."""
+    folder = _folder()
+    if not isinstance(folder, Path):  # a zip import has no folder on disk
+        raise MigrationError("the pg_idempotency package is not installed as files on disk; "
+                             "use pg_idempotency.migrate.migrations() to read the SQL")
+    return folder
+
+
+def migrations() -> list[Migration]:
+    """The bundled migrations in version order (numbered 0001, 0002, ... without gaps)."""
+    folder = _folder()
     found: list[Migration] = []
     for entry in folder.iterdir():
         match = _FILE_RE.match(entry.name)
