@@ -42,6 +42,8 @@ from .core import (
 )
 from .errors import (
     AlreadyCompleted,
+    ArgumentTooLarge,
+    DatabaseUnavailable,
     IdempotencyError,
     InvalidArgument,
     IsolationNotSupported,
@@ -63,7 +65,8 @@ except _metadata.PackageNotFoundError:  # running from a source tree that was ne
     __version__ = "0+unknown"
 
 __all__ = [
-    "DEFAULT_LEASE", "AbandonedKey", "AlreadyCompleted", "ClaimResult", "IdempotencyError",
+    "DEFAULT_LEASE", "AbandonedKey", "AlreadyCompleted", "ArgumentTooLarge", "ClaimResult",
+    "DatabaseUnavailable", "IdempotencyError",
     "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
     "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound", "Operation",
     "Outcome", "PgCronNotInstalled", "StoredResponse", "UsageError", "accept",

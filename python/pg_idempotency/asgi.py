@@ -23,7 +23,9 @@ writes, committed, and only then sent. Answers of its own:
 - 409 with ``Retry-After`` (the lease left, at most ``retry_after_max`` seconds) while another
   attempt holds the key (after waiting up to ``wait`` seconds for it to finish, in which case
   the result is replayed instead);
-- 503 with ``Retry-After`` when no connection of ``pool`` is free in time;
+- 503 with ``Retry-After`` when no connection of ``pool`` is free in time, and when the
+  database cannot be reached or the connection is lost (before, during or after the handler;
+  nothing is stored, the handler's writes roll back);
 - 422 ``application/problem+json``: the key was used with a different request;
 - a replay: the stored status, body and content type, the stored headers, and
   ``Idempotent-Replayed: true``.
@@ -77,7 +79,16 @@ from . import aio
 from . import contract as http
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
 from .core import DEFAULT_LEASE, ClaimResult
-from .errors import AlreadyCompleted, KeyExpired, KeyInProgress, KeyMismatch, KeyNotFound, LeaseLost
+from .errors import (
+    DEFAULT_UNAVAILABLE_RETRY_AFTER,
+    AlreadyCompleted,
+    DatabaseUnavailable,
+    KeyExpired,
+    KeyInProgress,
+    KeyMismatch,
+    KeyNotFound,
+    LeaseLost,
+)
 
 __all__ = ["DEFAULT_REPLAY_HEADERS", "IdempotencyMiddleware", "Policy", "PoolExhausted",
            "add_cleanup", "get_operation"]
@@ -137,7 +148,8 @@ class IdempotencyMiddleware:
       :class:`pg_idempotency.sqlalchemy.ForeignCommitError` (default True; only when
       :mod:`pg_idempotency.sqlalchemy` is imported).
     - ``wait``, ``lease``, ``replay_headers``, ``header_name``, ``store_server_errors``,
-      ``fingerprint_query``, ``retry_after_max``: :class:`pg_idempotency.contract.Settings`.
+      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``:
+      :class:`pg_idempotency.contract.Settings`.
     """
 
     def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
@@ -149,13 +161,14 @@ class IdempotencyMiddleware:
                  header_name: str = "Idempotency-Key", store_server_errors: bool = False,
                  fingerprint_query: bool = False,
                  retry_after_max: float = http.DEFAULT_RETRY_AFTER_MAX, pool_reserve: int = 1,
-                 refuse_foreign_commits: bool = True) -> None:
+                 refuse_foreign_commits: bool = True,
+                 unavailable_retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER) -> None:
         if pool_reserve < 0:
             raise ValueError("pool_reserve must be 0 or more")
         self.settings = http.Settings(
             header_name=header_name, wait=wait, lease=lease, retry_after_max=retry_after_max,
             replay_headers=frozenset(replay_headers), store_server_errors=store_server_errors,
-            fingerprint_query=fingerprint_query)
+            fingerprint_query=fingerprint_query, unavailable_retry_after=unavailable_retry_after)
         self.routes = http.Routes(routes, default_policy)
         self.app = app
         self.pool = pool
@@ -222,17 +235,31 @@ class IdempotencyMiddleware:
             await held.aclose()  # no connection is held while polling
             await anyio.sleep(seconds)
 
+        started = False
+
+        async def sending(message: Message) -> None:
+            nonlocal started
+            started = True
+            await send(message)
+
         try:
             async with held:
                 claimed = await http.aclaim_waiting(self.settings, claim, pause)
                 if isinstance(claimed, Answer):
                     await held.aclose()
-                    await _send(send, claimed)
+                    await _send(sending, claimed)
                 else:
                     assert op is not None
-                    await self._execute(op, scope, receive, send, body)
+                    await self._execute(op, scope, receive, sending, body)
         except PoolTimeout:
             await _send(send, http.no_connection(self.settings))
+        except Exception as exc:
+            # The database went away (refused, lost, restarting), in the claim, the handler's
+            # own queries or the complete: 503 with Retry-After, nothing stored, never a 500.
+            answer = None if started else http.outage(self.settings, exc)
+            if answer is None:
+                raise
+            await _send(send, answer)
 
     async def _execute(self, op: aio.Operation, scope: Scope, receive: Receive, send: Send,
                        body: bytes) -> None:
@@ -287,6 +314,9 @@ class IdempotencyMiddleware:
         except BaseException as exc:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, _Rollback) and start is not None:
+                if http.lost(op.conn):  # the framework answered 500 for a lost connection
+                    await _send(send, http.unavailable(self.settings))
+                    return
                 await _send_raw(send, start["status"], start.get("headers", []), chunks)
                 return
             raise
@@ -301,6 +331,11 @@ class IdempotencyMiddleware:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
             await _send(send, http.taken_over())
             return
+        except DatabaseUnavailable as exc:
+            # Lost before or during the commit: whether it committed is unknown, so the key
+            # is left as it is (a retry replays, or resumes once the lease expires).
+            await op.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         await _send_raw(send, start["status"], raw_headers, chunks)
 
 

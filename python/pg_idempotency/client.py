@@ -6,10 +6,13 @@
 
 Each ``request()`` is one intent: it gets one key (yours, or a new UUID), which is handed to
 ``on_key`` *before* the first attempt, so that a caller that crashes can retry the same intent
-with the same key later. Attempts are retried with exponential backoff and full jitter (at
-least ``Retry-After`` when the server sends it) on transport errors, 409 (in progress), 429
-and 5xx; any other answer, 4xx included, is returned at once. When the attempts or the time
-run out, the last response is returned, or the last transport error raised.
+with the same key later. Attempts are retried on transport errors (refused, reset, timed out),
+409 (in progress), 429, 500, 502, 503 (the database unavailable) and 504, after a wait of
+``Retry-After`` (when the server sends one: a floor) plus an exponential backoff with full
+jitter, so that clients that failed together do not come back together. Any other answer is
+returned at once: a 4xx is the client's mistake (400, 413, 422...), and a 501, 505 or 507
+(the answer too large to store) says the same request will fail again. When the attempts or
+the time run out, the last response is returned, or the last transport error raised.
 
 The retry policy is tenacity's (:func:`retry_policy`); :class:`RetryingClient` and
 :class:`AsyncRetryingClient` differ only in the tenacity runner and the httpx client they use.
@@ -38,12 +41,16 @@ from tenacity import (
 __all__ = ["AsyncRetryingClient", "RetryingClient", "retry_after_seconds", "retry_policy",
            "should_retry"]
 
-RETRY_STATUSES = frozenset({409, 429})
+#: 409 (the original is in progress), 429 (slow down), 500 (the handler failed, its key was
+#: released), 502/504 (a proxy lost the server), 503 (the database unavailable, or no
+#: connection free): another attempt may succeed. Every other 4xx is the request's own fault,
+#: and 501, 505 and 507 (too large to store) fail again the same way.
+RETRY_STATUSES = frozenset({409, 429, 500, 502, 503, 504})
 
 
 def should_retry(response: httpx.Response) -> bool:
-    """409 (the original is in progress), 429 and 5xx are worth another attempt."""
-    return response.status_code in RETRY_STATUSES or response.status_code >= 500
+    """Whether the answer is worth another attempt with the same key (:data:`RETRY_STATUSES`)."""
+    return response.status_code in RETRY_STATUSES
 
 
 def retry_after_seconds(response: httpx.Response) -> float | None:
@@ -65,9 +72,12 @@ def retry_after_seconds(response: httpx.Response) -> float | None:
 
 def retry_policy(*, attempts: int = 6, initial: float = 0.1, max_delay: float = 10.0,
                  timeout: float = 60.0) -> dict[str, Any]:
-    """tenacity arguments: up to ``attempts`` attempts within ``timeout`` seconds; waits drawn
-    uniformly from [0, min(max_delay, initial * 2**n)] ("full jitter"), but never shorter than
-    the server's Retry-After (capped at ``max_delay``)."""
+    """tenacity arguments: up to ``attempts`` attempts within ``timeout`` seconds. Before
+    attempt n+1 the wait is the server's Retry-After when it sent one (capped at
+    ``max_delay``: a floor), plus a delay drawn uniformly from [0, min(max_delay,
+    initial * 2**n)] ("full jitter"). So a 503 with ``Retry-After: 1`` sent to a hundred
+    clients at once brings them back spread over the next seconds, not all one second later,
+    and a refused connection (no answer, no Retry-After) backs off exponentially."""
     jitter = wait_random_exponential(multiplier=initial, max=max_delay)
 
     def wait(state: RetryCallState) -> float:
@@ -76,7 +86,7 @@ def retry_policy(*, attempts: int = 6, initial: float = 0.1, max_delay: float = 
         if outcome is not None and not outcome.failed:
             hinted = retry_after_seconds(outcome.result())
             if hinted is not None:
-                delay = max(delay, min(hinted, max_delay))
+                delay += min(hinted, max_delay)
         return delay
 
     def give_up(state: RetryCallState) -> Any:

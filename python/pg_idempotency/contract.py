@@ -15,7 +15,9 @@ their framework's transaction. docs/http.md states the same contract in prose:
   waiting for an attempt in progress (:func:`claim_waiting`, :func:`aclaim_waiting`);
 - what is stored (:func:`stores`, :func:`stored_parts`): 2xx, 3xx and 4xx answers of a handler
   that ran; 5xx only with ``store_server_errors``; an error answer made before the handler
-  started is released instead.
+  started is released instead;
+- an outage (:func:`unavailable`, :func:`outage`): the database cannot be reached, the
+  connection was lost, the server restarts: 503 with Retry-After, never stored, never a 500.
 """
 
 from __future__ import annotations
@@ -32,14 +34,14 @@ from enum import Enum
 from typing import Any
 
 from .core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse
-from .errors import InvalidArgument
+from .errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, InvalidArgument, connection_lost
 from .fingerprint import _check_name, describe_request, fingerprint
 
 __all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Policy", "Routes", "Settings",
            "aclaim_waiting", "body_complete", "claim_answer", "claim_waiting", "guarded",
-           "handling_of", "in_progress", "incomplete_body", "no_connection", "problem",
+           "handling_of", "in_progress", "incomplete_body", "no_connection", "outage", "problem",
            "read_key", "register_guard", "request_fingerprint", "start", "stored_answer",
-           "stored_parts", "stores", "taken_over", "unknown_caller"]
+           "stored_parts", "stores", "taken_over", "unavailable", "unknown_caller"]
 
 #: Headers that describe the operation's result, stored and replayed by default. Per-request
 #: headers (dates, trace ids, rate-limit counters, cookies) are not.
@@ -83,6 +85,8 @@ class Settings:
       rolled back and the key released, so the retry runs afresh).
     - ``fingerprint_query``: whether the query string is part of the fingerprint (default
       False: a tracking parameter added by a retrying client does not make another request).
+    - ``unavailable_retry_after``: the ``Retry-After`` (seconds, rounded up, at least 1) of a
+      503 answered because the database cannot be reached (:func:`unavailable`).
     """
 
     header_name: str = "Idempotency-Key"
@@ -93,8 +97,11 @@ class Settings:
         default_factory=lambda: frozenset(DEFAULT_REPLAY_HEADERS))
     store_server_errors: bool = False
     fingerprint_query: bool = False
+    unavailable_retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER
 
     def __post_init__(self) -> None:
+        if not self.unavailable_retry_after > 0:
+            raise ValueError("unavailable_retry_after must be more than 0 (seconds)")
         if self.retry_after_max < 1:
             raise ValueError("retry_after_max must be at least 1 (second)")
         if self.wait < 0:
@@ -227,6 +234,34 @@ def no_connection(settings: Settings) -> Answer:
     return problem(503, "No database connection",
                    "No connection to the idempotency store was free in time. Retry later.",
                    [("Retry-After", _retry_after(settings, None))])
+
+
+def unavailable(settings: Settings) -> Answer:
+    """503 with Retry-After: the database cannot be reached (refused, connection lost, the
+    server or a Citus worker restarting: :class:`~pg_idempotency.errors.DatabaseUnavailable`).
+    Nothing is stored; what the attempt wrote is rolled back. A key whose claim committed
+    before the loss stays in progress until its lease expires (then a retry resumes it)."""
+    seconds = max(1, math.ceil(settings.unavailable_retry_after))
+    return problem(503, "Database unavailable",
+                   "The idempotency store cannot be reached right now. Nothing was stored; "
+                   "retry the same request with the same key later.",
+                   [("Retry-After", str(seconds))])
+
+
+def lost(conn: Any) -> bool:
+    """Whether ``conn`` (a psycopg connection, or None) was lost: a 5xx a handler answered on
+    it is an outage (a framework turned the lost connection into its 500 before the adapter
+    saw the exception)."""
+    return conn is not None and bool(getattr(conn, "broken", False) or
+                                     getattr(conn, "closed", False))
+
+
+def outage(settings: Settings, exc: BaseException | None, conn: Any = None) -> Answer | None:
+    """:func:`unavailable` when ``exc`` (or what it was raised from) says the database cannot
+    be reached, or ``conn`` was lost; else None (a real error: let the framework answer)."""
+    if connection_lost(exc) or lost(conn):
+        return unavailable(settings)
+    return None
 
 
 def stored_answer(stored: StoredResponse, *, replayed: bool = True) -> Answer:

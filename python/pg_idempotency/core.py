@@ -33,16 +33,18 @@ from . import queries as Q
 from . import telemetry
 from .errors import (
     AlreadyCompleted,
+    DatabaseUnavailable,
     KeyExpired,
     KeyInProgress,
     KeyMismatch,
     KeyNotFound,
     LeaseLost,
     UsageError,
+    connection_lost,
     from_psycopg,
     invalid_argument,
 )
-from .fingerprint import canonical_json, derive_key, key_hash
+from .fingerprint import canonical_json, derive_key, key_hash, request_fingerprint
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -396,7 +398,8 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         try:
             return _execute(conn, q)
         finally:
-            conn.autocommit = False
+            if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
+                conn.autocommit = False
     with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
@@ -420,7 +423,8 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
         try:
             return await _aexecute(conn, q)
         finally:
-            await conn.set_autocommit(False)
+            if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
+                await conn.set_autocommit(False)
     async with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
@@ -477,6 +481,13 @@ def _translate(exc: Exception, request: _Request) -> Exception:
         if mapped is not exc:
             mapped.__cause__ = exc
         return mapped
+    if not isinstance(exc, DatabaseUnavailable) and not isinstance(request, _Call) \
+            and connection_lost(exc):
+        # A driver's wrapper of psycopg's error (SQLAlchemy's OperationalError, when the
+        # session runs the generator): the same outage, the same exception.
+        mapped = DatabaseUnavailable(f"the database is unavailable: {exc}")
+        mapped.__cause__ = exc
+        return mapped
     return exc
 
 
@@ -514,6 +525,11 @@ def _jsonb(value: Any) -> Jsonb:
 def _claim_query(scope: str, key: str, request: Any, lease: timedelta | float,
                  fingerprint: bytes | None, strict: bool, reference_time: datetime | None,
                  alone: bool = False) -> _Query:
+    if request is not None and fingerprint is None:
+        # The request's fingerprint computed here, byte-identical to claim's own (the vectors
+        # of tests/vectors prove it), so the database does not canonicalize it (issue 32).
+        # With both given the server refuses the pair (IK016), as before.
+        fingerprint, request = request_fingerprint(request), None
     return _Query(Q.CLAIM, {
         "scope": scope, "key": key,
         "request": _jsonb(request) if request is not None else None,
@@ -780,6 +796,8 @@ class OperationCore:
     # -- the steps, as generators
     def g_enter(self) -> _Gen[None]:
         status, _autocommit = yield _Tx.STATE
+        if status == TransactionStatus.UNKNOWN:  # the connection was lost before this block
+            raise DatabaseUnavailable("the database is unavailable: the connection is lost")
         if status != TransactionStatus.IDLE:
             raise UsageError(
                 f"operation() needs an idle connection, this one is {status.name}: claim must "
@@ -915,7 +933,7 @@ class OperationCore:
             elif not owned_key_is_gone and logger.isEnabledFor(logging.INFO):
                 _log(logging.INFO, "kept", self.scope, self.key,
                      reason="exception" if exc is not None else "no complete()")
-        except (psycopg.Error, LeaseLost, AlreadyCompleted, KeyNotFound):
+        except (psycopg.Error, LeaseLost, AlreadyCompleted, KeyNotFound, DatabaseUnavailable):
             if exc is None:
                 raise
             # Cleaning up after an error: the original error is the one to report. An

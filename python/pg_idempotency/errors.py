@@ -2,8 +2,9 @@
 
 The engine raises errors of class ``IK``; :func:`from_psycopg` turns such a
 :class:`psycopg.Error` into the matching class here (the original stays as ``__cause__`` and
-``pgerror``). Errors PostgreSQL raises itself (42501, 40001, ...) are not translated: they reach
-the caller as psycopg raised them.
+``pgerror``), and an unreachable database into :class:`DatabaseUnavailable`. Other errors
+PostgreSQL raises itself (42501, 40001, ...) are not translated: they reach the caller as
+psycopg raised them.
 
     IdempotencyError
     ├── LeaseLost                 IK001: "you no longer own this key", and the family of:
@@ -13,7 +14,7 @@ the caller as psycopg raised them.
     ├── KeyNotFound               IK003
     ├── AlreadyCompleted          IK004
     ├── IsolationNotSupported     IK005
-    ├── InvalidArgument           IK010..IK017, also a ValueError
+    ├── InvalidArgument           IK010..IK018, also a ValueError
     │   ├── ArgumentNull          IK010
     │   ├── ArgumentEmpty         IK011
     │   ├── ArgumentTooLong       IK012
@@ -21,12 +22,15 @@ the caller as psycopg raised them.
     │   ├── ArgumentOutOfRange    IK014
     │   ├── ArgumentWrongType     IK015
     │   ├── ArgumentConflict      IK016
-    │   └── ArgumentNotAllowed    IK017
+    │   ├── ArgumentNotAllowed    IK017
+    │   └── ArgumentTooLarge      IK018
     ├── KeyInProgress             outcome in_progress (no SQLSTATE: claim returns it)
     ├── KeyExpired                outcome expired (no SQLSTATE: claim returns it)
     ├── PgCronNotInstalled        IK020
     ├── CitusNotInstalled         IK021 (idempotency.distribute() without Citus)
     ├── CitusNotCoordinator       IK022 (idempotency.distribute() on a Citus worker)
+    ├── DatabaseUnavailable       the database cannot be reached: SQLSTATE class 08, 57P01..57P03,
+    │                             or a lost / refused connection (no SQLSTATE)
     └── UsageError                the Python API was used wrongly (no SQLSTATE)
 """
 
@@ -39,12 +43,12 @@ import psycopg
 
 __all__ = [
     "AlreadyCompleted", "ArgumentConflict", "ArgumentEmpty", "ArgumentInvalidCharacters",
-    "CitusNotCoordinator", "CitusNotInstalled",
+    "ArgumentTooLarge", "CitusNotCoordinator", "CitusNotInstalled", "DatabaseUnavailable",
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
-    "PgCronNotInstalled", "UsageError", "from_psycopg",
-    "invalid_argument",
+    "PgCronNotInstalled", "UsageError", "connection_lost", "from_psycopg",
+    "invalid_argument", "is_unavailable",
 ]
 
 
@@ -167,6 +171,12 @@ class ArgumentNotAllowed(InvalidArgument):
     schema."""
 
 
+class ArgumentTooLarge(InvalidArgument):
+    """IK018: a request, a response body or headers larger than the limit (the engine's
+    ``settings.max_request_bytes``, ``max_response_bytes``, ``max_headers_bytes``, or the
+    adapter's own). ``detail`` gives the size and the limit."""
+
+
 class KeyInProgress(IdempotencyError):
     """Another attempt holds a live lease on the key: answer 409 and retry after
     ``retry_after``. Raised by :func:`pg_idempotency.operation`, not by the engine."""
@@ -202,6 +212,32 @@ class CitusNotCoordinator(IdempotencyError):
     sqlstate = "IK022"
 
 
+#: Seconds a client should wait before retrying after :class:`DatabaseUnavailable` (the HTTP
+#: adapters' ``Retry-After``, see ``contract.Settings.unavailable_retry_after``).
+DEFAULT_UNAVAILABLE_RETRY_AFTER = 1.0
+
+#: Server states that mean "not reachable now" rather than "your statement failed":
+#: admin_shutdown, crash_shutdown, cannot_connect_now (starting up, shutting down, recovery).
+_UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
+
+
+class DatabaseUnavailable(IdempotencyError):
+    """The database cannot be reached now: the connection was refused or lost (psycopg's
+    OperationalError without a SQLSTATE), SQLSTATE class 08 (connection exception, also what a
+    Citus coordinator raises when a worker is down), or 57P01..57P03 (the server is shutting
+    down, crashed, or starting up). Nothing the call was part of is known to have committed,
+    except what the caller committed before; a key claimed by a lost claim stays in progress
+    until its lease expires. Retry after ``retry_after`` seconds (plus jitter, so that retries
+    spread); the HTTP adapters answer 503 with Retry-After and store nothing."""
+
+    sqlstate = None
+
+    def __init__(self, message: str, *, retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                 **kwargs: object) -> None:
+        super().__init__(message, **kwargs)  # type: ignore[arg-type]
+        self.retry_after = float(retry_after)
+
+
 class UsageError(IdempotencyError):
     """The Python API was used in a way that cannot be right (e.g. an operation started
     inside an open transaction, or a block that ended without complete())."""
@@ -232,6 +268,7 @@ _INVALID_BY_SQLSTATE: dict[str, type[InvalidArgument]] = {
     "IK015": ArgumentWrongType,
     "IK016": ArgumentConflict,
     "IK017": ArgumentNotAllowed,
+    "IK018": ArgumentTooLarge,
 }
 
 
@@ -247,11 +284,44 @@ def invalid_argument(function: str, argument: str | None, sqlstate: str,
     return cls(function, argument, sqlstate, problem)
 
 
-def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
-    """The :class:`IdempotencyError` for an engine error, or ``exc`` itself for any other.
-    ``lease_token=True`` says the failed call took a lease token: its IK003 and IK004 become
-    the :class:`LeaseLost` subclasses."""
+def is_unavailable(exc: BaseException) -> bool:
+    """Whether ``exc`` itself says the database cannot be reached: a
+    :class:`DatabaseUnavailable`, or a psycopg error of SQLSTATE class 08 or 57P01..57P03, or
+    an OperationalError without a SQLSTATE (refused, lost, closed; psycopg_pool's PoolTimeout
+    too). A query canceled (57014) or a deadlock is not: those are the statement's."""
+    if isinstance(exc, DatabaseUnavailable):
+        return True
+    if not isinstance(exc, psycopg.Error):
+        return False
     state = exc.sqlstate
+    if state is None:
+        return isinstance(exc, psycopg.OperationalError)
+    return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+
+
+def connection_lost(exc: BaseException | None) -> bool:
+    """Whether ``exc`` or an error it was raised from (``__cause__``/``__context__``: Django's
+    and SQLAlchemy's wrappers keep psycopg's error there) says the database cannot be reached.
+    The adapters use it on what a handler raised: its own query on a lost connection is an
+    outage (503), not a bug (500)."""
+    seen = 0
+    while exc is not None and seen < 16:
+        if is_unavailable(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+        seen += 1
+    return False
+
+
+def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
+    """The :class:`IdempotencyError` for an engine error (:class:`DatabaseUnavailable` for an
+    unreachable database), or ``exc`` itself for any other. ``lease_token=True`` says the
+    failed call took a lease token: its IK003 and IK004 become the :class:`LeaseLost`
+    subclasses."""
+    state = exc.sqlstate
+    if is_unavailable(exc):
+        reason = str(exc).strip() or type(exc).__name__
+        return DatabaseUnavailable(f"the database is unavailable: {reason}", pgerror=exc)
     diag = exc.diag
     message = diag.message_primary or str(exc)
     extra = {"detail": diag.message_detail, "hint": diag.message_hint, "pgerror": exc}

@@ -22,8 +22,10 @@ in an open transaction (``get_operation().conn``). Its answer (status, exact bod
 type and the headers named in ``replay_headers``) is stored with ``complete()`` in that same
 transaction, committed, and only then sent: the business write and the stored answer commit
 together or not at all. A view that raises, or answers 5xx (unless ``store_server_errors``), is
-rolled back and the key released; a retry runs afresh. The answers of the adapter's own
-(400, 401, 409 with Retry-After, 422, 503, replays with ``Idempotent-Replayed: true``) are the
+rolled back and the key released; a retry runs afresh. A database that cannot be reached (or a
+connection lost while the view ran) is 503 with Retry-After, nothing stored. The answers of the
+adapter's own (400, 401, 409 with Retry-After, 422, 503, replays with
+``Idempotent-Replayed: true``) are the
 contract every adapter shares (:mod:`pg_idempotency.contract`, docs/http.md). Guide:
 docs/flask.md.
 """
@@ -46,7 +48,15 @@ from . import api
 from . import contract as http
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
 from .core import ClaimResult
-from .errors import AlreadyCompleted, KeyExpired, KeyInProgress, KeyMismatch, KeyNotFound, LeaseLost
+from .errors import (
+    AlreadyCompleted,
+    DatabaseUnavailable,
+    KeyExpired,
+    KeyInProgress,
+    KeyMismatch,
+    KeyNotFound,
+    LeaseLost,
+)
 
 __all__ = ["Idempotency", "IdempotencyMiddleware", "Policy", "get_operation"]
 
@@ -125,6 +135,13 @@ class _Keyed:
                 return self._execute(op, environ, handler, started)
         except PoolTimeout:
             return http.no_connection(self.settings)
+        except Exception as exc:
+            # The database went away (refused, lost, restarting), in the claim, the view's own
+            # queries or the complete: 503 with Retry-After, nothing stored, never a 500.
+            answer = http.outage(self.settings, exc)
+            if answer is None:
+                raise
+            return answer
 
     def _execute(self, op: api.Operation, environ: dict[str, Any], handler: Callable[[], _Out],
                  started: bool) -> Answer | _Out:
@@ -147,7 +164,8 @@ class _Keyed:
         except BaseException as exc:
             op.__exit__(type(exc), exc, exc.__traceback__)
             if isinstance(exc, _Rollback):
-                return out
+                # a 500 made of a lost connection (Flask answered it before we saw the error)
+                return http.unavailable(self.settings) if http.lost(op.conn) else out
             raise
         stored, content_type = http.stored_parts(self.settings, out.headers)
         try:
@@ -156,6 +174,11 @@ class _Keyed:
             # Taken over while the view ran: its writes rolled back; the new holder's counts.
             op.__exit__(type(exc), exc, exc.__traceback__)
             return http.taken_over()
+        except DatabaseUnavailable as exc:
+            # Lost before or during the commit: the key is left as it is (a retry replays, or
+            # resumes once the lease expires); 503.
+            op.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         return out
 
 
@@ -174,7 +197,8 @@ class Idempotency:
     - ``refuse_foreign_commits``: with :mod:`pg_idempotency.sqlalchemy` imported, a commit on
       another SQLAlchemy connection while the view runs raises (default True).
     - ``wait``, ``lease``, ``replay_headers``, ``header_name``, ``store_server_errors``,
-      ``fingerprint_query``, ``retry_after_max``: :class:`pg_idempotency.contract.Settings`.
+      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``:
+      :class:`pg_idempotency.contract.Settings`.
     """
 
     def __init__(self, pool: ConnectionPool, *, scope: Callable[[flask.Request], str | None],

@@ -19,12 +19,15 @@ after that commit. Nothing here sends BEGIN or COMMIT itself: ``atomic()`` does.
 Answers of its own, the contract every adapter shares (:mod:`pg_idempotency.contract`,
 docs/http.md): 400 (no key on a route that requires one, an invalid key, a body cut short), 401
 (the scope callback returned None), 409 with ``Retry-After`` (another attempt holds the key),
-422 (the key was used with a different request, or it expired), and replays (the stored status,
-body bytes, content type and headers, plus ``Idempotent-Replayed: true``). See docs/django.md.
+422 (the key was used with a different request, or it expired), 503 with ``Retry-After`` (the
+database cannot be reached, or the connection was lost: nothing stored), and replays (the stored
+status, body bytes, content type and headers, plus ``Idempotent-Replayed: true``). See
+docs/django.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 from collections.abc import Callable, Iterable, Mapping
@@ -42,7 +45,7 @@ from .. import api
 from .. import contract as http
 from ..contract import DEFAULT_REPLAY_HEADERS, Answer
 from ..core import DEFAULT_LEASE, ClaimResult, Outcome, _log
-from ..errors import AlreadyCompleted, KeyNotFound, LeaseLost
+from ..errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, AlreadyCompleted, KeyNotFound, LeaseLost
 from ..fingerprint import derive_key
 
 __all__ = ["Idempotency", "IdempotencyMiddleware", "get_idempotency", "idempotent"]
@@ -86,7 +89,9 @@ def _config(**overrides: Any) -> _Config:
         retry_after_max=float(get("RETRY_AFTER", http.DEFAULT_RETRY_AFTER_MAX)),
         replay_headers=frozenset(get("REPLAY_HEADERS", DEFAULT_REPLAY_HEADERS)),
         store_server_errors=bool(get("STORE_SERVER_ERRORS", False)),
-        fingerprint_query=bool(get("INCLUDE_QUERY", False))))
+        fingerprint_query=bool(get("INCLUDE_QUERY", False)),
+        unavailable_retry_after=float(get("UNAVAILABLE_RETRY_AFTER",
+                                          DEFAULT_UNAVAILABLE_RETRY_AFTER))))
 
 
 class Idempotency:
@@ -166,6 +171,41 @@ def _raw_connection(using: str) -> tuple[Any, Any, bool]:
 
 def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
             policy: http.Policy) -> HttpResponse:
+    try:
+        response = _keyed(request, view, conf, policy)
+    except Exception as exc:
+        # The database went away (refused, lost, restarting), in the claim, the view's ORM
+        # or the commit: 503 with Retry-After, nothing stored, never a 500.
+        answer = http.outage(conf.settings, exc)
+        if answer is None:
+            raise
+        _forget_lost_connection(conf.using)
+        return _response(answer)
+    if response.status_code >= 500 and _lost(conf.using):
+        # An inner middleware made the lost connection a 500 before it reached us.
+        _forget_lost_connection(conf.using)
+        return _response(http.unavailable(conf.settings))
+    return response
+
+
+def _lost(using: str) -> bool:
+    connection = connections[using]
+    return connection.connection is not None and http.lost(connection.connection)
+
+
+def _forget_lost_connection(using: str) -> None:
+    """Close Django's connection once it is lost, so that the next request connects again
+    (Django closes an unusable one at the end of a request only when its own wrapper saw the
+    error, and never under the test client)."""
+    connection = connections[using]
+    if connection.in_atomic_block:
+        return  # a TestCase's transaction: its own rollback handles it
+    with contextlib.suppress(Exception):
+        connection.close()
+
+
+def _keyed(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
+           policy: http.Policy) -> HttpResponse:
     s = conf.settings
     method, path = request.method or "", request.path
     key = http.read_key(s, policy, request.headers.get(s.header_name), method, path)
