@@ -20,6 +20,7 @@ from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 import pg_idempotency as idem
 from pg_idempotency import aio, errors
+from pg_idempotency.fingerprint import MAX_REQUEST_BYTES
 
 pytestmark = pytest.mark.anyio
 
@@ -587,6 +588,81 @@ def test_round_trips_of_a_fresh_request_and_a_replay(db: str, autocommit: bool) 
     assert fresh == {"round_trips": 4, "statements": 5}
     assert replay == {"round_trips": 1, "statements": 1}
     assert in_pipeline["round_trips"] == 3
+
+
+# -- the request's fingerprint, computed in the package (issue 32) ------------------------------
+
+PAYMENT = {"amount": 1999, "currency": "EUR", "description": "zebra-marker-7731",
+           "metadata": {"customer": {"id": "cus_1", "tier": "gold"}, "tags": ["a", "b"],
+                        "rate": 1.50, "note": "caf\u00e9 \u2603\n"}}
+
+
+def test_the_request_never_crosses_the_wire_and_the_server_agrees(db: str) -> None:
+    """operation() and claim() send the request's fingerprint (request => NULL): the request's
+    text is nowhere in the protocol trace, the stored fingerprint is the server's own
+    idempotency.fingerprint of the request, and the server path (psql, another language)
+    claiming the same key with the same request replays instead of a mismatch."""
+    with psycopg.connect(db, autocommit=True) as conn:
+
+        def handle() -> None:
+            with idem.operation(conn, "fp", "k1", PAYMENT) as op:
+                op.complete(201, {"id": 1})
+
+        with tempfile.TemporaryFile("w+") as f:
+            conn.pgconn.trace(f.fileno())
+            try:
+                handle()
+                idem.claim(conn, "fp", "k2", PAYMENT)
+            finally:
+                conn.pgconn.untrace()
+            f.seek(0)
+            trace = f.read()
+        assert "idempotency.claim" in trace and trace.count("zebra-marker") == 0
+        text = psycopg.types.json.Jsonb(PAYMENT)
+        stored, server = conn.execute(
+            "SELECT k.fingerprint, idempotency.fingerprint(%s) FROM idempotency.keys AS k"
+            " WHERE k.scope = 'fp' ORDER BY k.key", (text,)).fetchall()[0]
+        assert stored == server == idem.fingerprint(PAYMENT)
+        outcomes = [conn.execute(
+            "SELECT outcome FROM idempotency.claim(scope => 'fp', key => %s, request => %s)",
+            (key, text)).fetchone()[0] for key in ("k1", "k2")]
+        assert outcomes == ["replay", "in_progress"]
+        other = conn.execute(
+            "SELECT outcome FROM idempotency.claim(scope => 'fp', key => 'k1', request => %s)",
+            (psycopg.types.json.Jsonb({**PAYMENT, "amount": 2000}),)).fetchone()[0]
+        assert other == "mismatch"
+
+
+async def test_request_limits_hold_in_the_package(flavour: Any, db: str) -> None:
+    """What claim refuses in a request it refuses in the package, with claim's SQLSTATEs,
+    before anything is sent: nesting deeper than 128 (IK014) and a canonical text over
+    max_request_bytes' default (IK018); one at the limit is claimed."""
+    api, conn = flavour
+    deep: Any = "x"
+    for _ in range(129):
+        deep = [deep]
+    limit = MAX_REQUEST_BYTES
+    big = {"b": "x" * (limit - 7)}  # {"b":"...."} is 8 bytes more than its string
+    cases = [(errors.ArgumentOutOfRange, "IK014", deep),
+             (errors.ArgumentTooLarge, "IK018", big)]
+    for cls, state, request in cases:
+        for via_operation in (False, True):
+            with pytest.raises(cls) as info:
+                if via_operation:
+                    async with _enter(api.operation(conn, "lim", "k", request)):
+                        pass
+                else:
+                    await call(api.claim(conn, "lim", "k", request))
+            e = info.value
+            assert (e.sqlstate, e.argument, e.function) == (state, "request", "idempotency.claim")
+            assert e.pgerror is None  # refused before a statement was sent
+    assert "the limit (settings.max_request_bytes) is 1048576 bytes" in e.detail
+    assert key_row(db, "k") is None
+    at_limit = {"b": "x" * (limit - 8)}
+    assert len(idem.canonical_json(at_limit).encode()) == limit
+    claimed = await call(api.claim(conn, "lim", "k", at_limit))
+    assert claimed.outcome is idem.Outcome.CLAIMED
+    assert key_row(db, "k") == ("in_progress", None, 1)
 
 
 # -- helpers ---------------------------------------------------------------------------------

@@ -28,8 +28,8 @@ from typing import Any
 
 from .errors import InvalidArgument, invalid_argument
 
-__all__ = ["InvalidArgument", "canonical_json", "derive_key", "describe_request", "fingerprint",
-           "key_hash", "loads"]
+__all__ = ["MAX_REQUEST_BYTES", "InvalidArgument", "canonical_json", "derive_key",
+           "describe_request", "fingerprint", "key_hash", "loads", "request_fingerprint"]
 
 # numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
 # the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
@@ -190,6 +190,33 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
         request = merged
     text = _canonical(request, fn, "request")
     return hashlib.sha256(text.encode("utf-8")).digest()
+
+
+#: The largest request, in bytes of its canonical text, that :func:`request_fingerprint`
+#: takes: the default of the server's ``settings.max_request_bytes`` (IK018 beyond it).
+MAX_REQUEST_BYTES = 1048576
+
+
+def request_fingerprint(request: Any, fn: str = "idempotency.claim",
+                        argument: str = "request") -> bytes:
+    """What ``idempotency.claim(request => ...)`` computes from a request, computed here: the
+    sha256 of its canonical text (:func:`fingerprint` without defaults or fields). The package
+    sends it as ``claim(request => NULL, fingerprint => ...)``, so the database does not
+    canonicalize the request (issue 32: work the application's machines can do does not run on
+    the one database). Refuses what claim refuses, with the same SQLSTATEs naming ``fn`` and
+    ``argument``: nesting deeper than 128 (IK014), a canonical text longer than
+    :data:`MAX_REQUEST_BYTES` (IK018), and anything jsonb cannot hold."""
+    data = _canonical(request, fn, argument).encode("utf-8")
+    if len(data) > MAX_REQUEST_BYTES:
+        # The server's words (idempotency._check_size); it measures the jsonb it holds, this
+        # the canonical text the fingerprint hashes.
+        error = invalid_argument(fn, argument, "IK018", "is too large")
+        error.detail = (f"It is {len(data)} bytes; the limit (settings.max_request_bytes) is "
+                        f"{MAX_REQUEST_BYTES} bytes.")
+        error.hint = ("Nothing was written. Send a smaller request. The package checks the "
+                      "request's canonical JSON against the default limit; see docs/errors.md.")
+        raise error
+    return hashlib.sha256(data).digest()
 
 
 def key_hash(scope: str, key: str) -> str:
