@@ -7,6 +7,12 @@
 -- caller that knows (or guesses) another scope's key learns nothing about it from a wrong
 -- token (before 0.9.0, IK003 / IK001 / IK004 told absent, in progress and completed apart).
 -- Only the owner, whose token matches, is told that its key is already completed (IK004).
+--
+-- No timing oracle either: the callers (heartbeat, checkpoint, release, accept, complete,
+-- complete_bytes) and this function send a key missing from key_directory to the partition of
+-- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
+-- absent, in progress, completed or released. What remains is measured in
+-- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
 CREATE FUNCTION idempotency._lease_error(
     fn text, scope text, key text, lease_token bigint
 )
@@ -24,6 +30,9 @@ BEGIN
     FROM idempotency.key_directory AS d
     WHERE d.scope = _lease_error.scope
       AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
+    -- A key not in the directory is looked for in the partition of now, so that the lookup
+    -- below probes a partition whatever the key's state (see the header).
+    v_created_at := coalesce(v_created_at, clock_timestamp());
     PERFORM
     FROM idempotency.keys AS k
     WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key

@@ -45,10 +45,15 @@ BEGIN
         END IF;
     END IF;
 
-    -- The key's one partition, from the directory (see claim).
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
     WHERE d.scope = checkpoint.scope AND d.key_hash = sha256(convert_to(checkpoint.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, v_now);
 
     -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
     -- expiry (no extend) keeps the lease as it is.

@@ -8,16 +8,24 @@
 -- it cannot read another scope's stored response through any function.
 -- kind 'completer' is for background completers (python/pg_idempotency/jobs.py's worker, or
 -- any language's): takeover and list_abandoned, which act on a key without its request, plus
--- the fenced calls that finish the work. A takeover returns a completed key's stored response,
--- so grant it only to roles trusted with every scope they can name (list_abandoned(scope =>)
--- limits a completer to one scope by convention, not by privilege).
+-- the fenced calls that finish the work. A takeover returns a completed key's stored response
+-- without the request, so a completer is trusted with every scope it may act on: scopes =>
+-- ARRAY[...] limits it to those (takeover and list_abandoned raise IK023 for any other, and
+-- list_abandoned without a scope lists only those; see _completer_scopes); NULL, the default,
+-- is every scope. The fenced calls are not checked: they need the lease token, which such a
+-- role gets only from a takeover in its scopes (docs/design.md, "Completer scopes").
 -- kind 'monitor' is for scrapers (the Prometheus postgres exporter): metrics() and
 -- metrics_by_scope() only, which read counts, ages and sizes, never a key or a response.
 -- A role may be granted several kinds. Grants add up, and each is recorded in
 -- idempotency.grants, so every later migration grants the role what its kind has then
--- (idempotency._reapply_grants). To take a kind away, delete its row and REVOKE EXECUTE
--- (docs/install.md, Privileges).
-CREATE FUNCTION idempotency.grant_usage(grantee regrole, kind text DEFAULT 'request')
+-- (idempotency._reapply_grants). A completer's scopes add up the same way (NULL, every scope,
+-- absorbs any list); to narrow them, delete the row and grant again. To take a kind away,
+-- delete its row and REVOKE EXECUTE (docs/install.md, Privileges).
+CREATE FUNCTION idempotency.grant_usage(
+    grantee regrole,
+    kind text DEFAULT 'request',
+    scopes text[] DEFAULT NULL
+)
 RETURNS void
 LANGUAGE plpgsql
 VOLATILE
@@ -36,6 +44,7 @@ DECLARE
         || 'idempotency.fingerprint(jsonb, jsonb, text[]), '
         || 'idempotency.canonical_json(jsonb), '
         || 'idempotency.derive_key(text, text, text)';
+    v_scope text;
 BEGIN
     IF grant_usage.grantee IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'grantee', 'IK010',
@@ -49,10 +58,40 @@ BEGIN
             'must be ''request'', ''completer'' or ''monitor''',
             format('It is %s.', to_json(grant_usage.kind)));
     END IF;
+    IF grant_usage.scopes IS NOT NULL THEN
+        IF grant_usage.kind <> 'completer' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK016',
+                'applies to kind ''completer'' only',
+                format('kind is %s; a request role claims in any scope its caller names.',
+                       to_json(grant_usage.kind)));
+        ELSIF array_ndims(grant_usage.scopes) IS DISTINCT FROM 1
+              OR cardinality(grant_usage.scopes) > 10000 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK014',
+                'must be a one-dimensional array of 1 to 10000 scopes, or NULL for every scope',
+                format('It has %s elements in %s dimensions.',
+                       cardinality(grant_usage.scopes),
+                       coalesce(array_ndims(grant_usage.scopes), 0)));
+        END IF;
+        FOREACH v_scope IN ARRAY grant_usage.scopes LOOP
+            IF v_scope IS NULL THEN
+                PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'scopes',
+                                                      'IK010', 'must not contain NULL');
+            END IF;
+            PERFORM idempotency._check_name('idempotency.grant_usage', 'scopes', v_scope);
+        END LOOP;
+    END IF;
     EXECUTE format('GRANT USAGE ON SCHEMA idempotency TO %s', grant_usage.grantee);
-    INSERT INTO idempotency.grants (grantee, kind)
-    VALUES (grant_usage.grantee, grant_usage.kind)
-    ON CONFLICT DO NOTHING;
+    -- Grants add up: a second list joins the first; NULL (every scope) wins over any list.
+    -- The trigger on grants mirrors the completer rows into completer_grants.
+    INSERT INTO idempotency.grants AS g (grantee, kind, scopes)
+    VALUES (grant_usage.grantee, grant_usage.kind,
+            (SELECT array_agg(DISTINCT s ORDER BY s) FROM unnest(grant_usage.scopes) AS s))
+    ON CONFLICT ON CONSTRAINT grants_pkey DO UPDATE
+    SET scopes = CASE WHEN g.scopes IS NULL OR excluded.scopes IS NULL THEN NULL
+                      ELSE (SELECT array_agg(DISTINCT s ORDER BY s)
+                            FROM unnest(g.scopes || excluded.scopes) AS s) END;
     IF grant_usage.kind = 'monitor' THEN
         EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz, boolean), '
                        || 'idempotency.metrics_by_scope(timestamptz) TO %s',
@@ -73,10 +112,10 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency.grant_usage(regrole, text) IS
+COMMENT ON FUNCTION idempotency.grant_usage(regrole, text, text[]) IS
 'Let grantee call the functions of one kind of application role, without any privilege on the
 tables. kind request (handlers): claim, inbox_accept; completer (background completers):
-takeover, list_abandoned; both: checkpoint, heartbeat, complete, complete_bytes, accept,
-release, fingerprint, canonical_json, derive_key; monitor (scrapers): metrics,
-metrics_by_scope. Recorded in idempotency.grants and re-applied by later migrations. See
-docs/sql-api.md.';
+takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
+both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
+canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
+idempotency.grants and re-applied by later migrations. See docs/sql-api.md.';

@@ -17,6 +17,7 @@ DECLARE
     v_candidate record;
     v_row idempotency.abandoned_key;
     v_found integer := 0;
+    v_scopes text[];
 BEGIN
     IF list_abandoned.max_keys IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK010',
@@ -30,6 +31,10 @@ BEGIN
         PERFORM idempotency._check_name('idempotency.list_abandoned', 'scope',
                                         list_abandoned.scope);
     END IF;
+    -- A completer limited to some scopes (grant_usage(scopes => ...)): IK023 for another
+    -- scope; without scope, only its own are listed. NULL: every scope.
+    v_scopes := idempotency._completer_scopes('idempotency.list_abandoned',
+                                              list_abandoned.scope);
     v_now := CASE WHEN list_abandoned.reference_time IS NULL THEN clock_timestamp()
         ELSE idempotency._test_clock('idempotency.list_abandoned',
                                      list_abandoned.reference_time) END;
@@ -42,6 +47,7 @@ BEGIN
         FROM idempotency.keys AS k
         WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now
           AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
+          AND (v_scopes IS NULL OR k.scope = ANY (v_scopes))
         ORDER BY k.lease_expires_at
         -- Room for keys other completers hold locked, which are skipped.
         LIMIT list_abandoned.max_keys * 4
@@ -63,5 +69,6 @@ END;
 $$;
 
 COMMENT ON FUNCTION idempotency.list_abandoned(integer, text, timestamptz) IS
-'Up to max_keys in-progress keys whose lease expired (optionally of one scope), oldest expiry
-first, locked FOR UPDATE SKIP LOCKED until the end of the caller''s transaction.';
+'Up to max_keys in-progress keys whose lease expired (optionally of one scope; for a completer
+limited to some scopes, of those only, IK023 for another), oldest expiry first, locked FOR
+UPDATE SKIP LOCKED until the end of the caller''s transaction.';

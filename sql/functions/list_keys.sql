@@ -27,9 +27,13 @@ BEGIN
             'must be ''in_progress'', ''completed'' or ''released''',
             format('It is %s.', to_json(list_keys.state)));
     END IF;
-    IF list_keys.older_than < interval '0' THEN
+    -- Bounded above too: now - older_than must stay a time (300000 years raised 22008 from
+    -- inside), and no key is older than 1000 years. An infinite interval (PostgreSQL 17 on) is
+    -- above it.
+    IF list_keys.older_than NOT BETWEEN interval '0' AND interval '1000 years' THEN
         PERFORM idempotency._invalid_argument('idempotency.list_keys', 'older_than', 'IK014',
-                                              'must not be negative');
+                                              'must be between 0 and 1000 years',
+                                              format('It is %s.', list_keys.older_than));
     END IF;
     IF list_keys.expired_leases IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.list_keys', 'expired_leases',
@@ -62,5 +66,5 @@ $$;
 
 COMMENT ON FUNCTION idempotency.list_keys(text, text, interval, boolean, integer) IS
 'Stored keys for an operator, oldest first, without bodies or tokens: filter by scope, state
-(in_progress, completed, released), older_than (age), expired_leases; at most max_keys (1-10000). Reads
-every partition. Schema owner only. See docs/operations.md.';
+(in_progress, completed, released), older_than (age, 0 to 1000 years), expired_leases; at most
+max_keys (1-10000). Reads every partition. Schema owner only. See docs/operations.md.';

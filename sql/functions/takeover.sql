@@ -26,6 +26,9 @@ BEGIN
     PERFORM idempotency._check_name('idempotency.takeover', 'scope', takeover.scope);
     PERFORM idempotency._check_name('idempotency.takeover', 'key', takeover.key);
     PERFORM idempotency._check_lease('idempotency.takeover', 'lease', takeover.lease);
+    -- A completer limited to some scopes (grant_usage(scopes => ...)) is refused any other
+    -- (IK023) before anything is read.
+    PERFORM idempotency._completer_scopes('idempotency.takeover', takeover.scope);
 
     FOR attempt IN 1 .. 5 LOOP
         -- The key's one partition, from the directory (see claim).
@@ -58,4 +61,4 @@ $$;
 COMMENT ON FUNCTION idempotency.takeover(text, text, interval, timestamptz) IS
 'Take over a key whose lease expired (outcome resumed, with a new token and the recovery point);
 replay when completed, in_progress while the lease is live. Raises IK003 when the key does not
-exist.';
+exist, IK023 when the caller is a completer limited to other scopes.';

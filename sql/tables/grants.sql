@@ -9,11 +9,15 @@ CREATE TABLE idempotency.grants (
     -- request | completer | monitor
     kind text NOT NULL,
     granted_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+    -- kind completer only: the scopes it may take over and list (grant_usage(scopes => ...));
+    -- NULL for every scope. Mirrored by role name into idempotency.completer_grants, where the
+    -- check reads it (see there).
+    scopes text[],
     PRIMARY KEY (grantee, kind)
 );
 
 COMMENT ON TABLE idempotency.grants IS
-'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor);
-re-applied by every migration from 0010 on.';
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor), and a
+completer''s scopes (NULL: every scope); re-applied by every migration from 0010 on.';
 
 REVOKE ALL ON idempotency.grants FROM public;

@@ -30,5 +30,31 @@ DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );
 
+-- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
+-- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
+-- which takeover() and list_abandoned() check (_completer_scopes, IK023). The roles granted
+-- before keep every scope: their rows get scopes NULL, and the _reapply_grants() at the end of
+-- this migration fills the mirror.
+ALTER TABLE idempotency.grants ADD COLUMN scopes text[];
+COMMENT ON TABLE idempotency.grants IS
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor), and a
+completer''s scopes (NULL: every scope); re-applied by every migration from 0010 on.';
+-- @include tables/completer_grants.sql
+-- @include functions/_completer_scopes.sql
+-- @include functions/_mirror_completer_grants.sql
+DROP FUNCTION idempotency.grant_usage(regrole, text);
+-- @include functions/grant_usage.sql
+-- @replace functions/_reapply_grants.sql
+-- @replace functions/takeover.sql
+-- @replace functions/list_abandoned.sql
+-- list_keys(older_than): at most 1000 years (IK014), never 22008 from inside.
+-- @replace functions/list_keys.sql
+-- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
+-- in the partition of now, so every key state costs the same statements.
+-- @replace functions/_lease_error.sql
+-- @replace functions/heartbeat.sql
+-- @replace functions/checkpoint.sql
+-- @replace functions/release.sql
+
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
