@@ -67,7 +67,7 @@ def test_release_freezes_dates_commits_and_tags(tmp_path: Path) -> None:
     with itself (--check) and the migrations check (build.py --check) passes."""
     repo = tmp_path / "repo"
     for part in ("tools/build.py", "tools/release.py", "pyproject.toml", "CHANGELOG.md",
-                 "docs/install.md"):
+                 *release.DOC_MENTIONS):
         (repo / part).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(ROOT / part, repo / part)
     for folder in ("sql", "migrations"):

@@ -38,8 +38,11 @@ CHANGELOG = ROOT / "CHANGELOG.md"
 SECTION_RE = re.compile(r"^## (\d+\.\d+\.\d+) \((unreleased|\d{4}-\d{2}-\d{2})\)$", re.M)
 # Where the docs name the current version: each pattern must match with {version}.
 DOC_MENTIONS = {
+    "README.md": ["dist/pg_idempotency-{version}-py3-none-any.whl"],
     "docs/install.md": ["`pg_idempotency--{version}.sql` (all migrations",
-                        "as a fresh {version};"],
+                        "as a fresh {version};",
+                        "dist/pg_idempotency-{version}-py3-none-any.whl",
+                        "dist/pg_idempotency-{version}-extension.tar.gz"],
 }
 
 
