@@ -430,9 +430,22 @@ DECLARE
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    -- The sizes come first (before the headers' jsonpath test reads them): above the smallest
+    -- limits allowed (64 KiB, 4 KiB) the settings decide (_check_size), before anything is
+    -- stored.
     IF NOT coalesce(idempotency._name_ok(complete.scope) AND idempotency._name_ok(complete.key)
                     AND complete.lease_token IS NOT NULL AND complete.status BETWEEN 100 AND 599
+                    AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
                     AND idempotency._headers_ok(v_headers), false) THEN
+        IF pg_column_size(complete.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'body',
+                                            pg_column_size(complete.body), 'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,
                                             complete.key, complete.lease_token,
                                             complete.status, v_headers);
@@ -485,12 +498,24 @@ BEGIN
         PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                         complete_bytes.content_type);
     END IF;
-    -- The other arguments as in complete().
+    -- The other arguments as in complete(), sizes first.
     IF NOT coalesce(idempotency._name_ok(complete_bytes.scope)
                     AND idempotency._name_ok(complete_bytes.key)
                     AND complete_bytes.lease_token IS NOT NULL
                     AND complete_bytes.status BETWEEN 100 AND 599
+                    AND (complete_bytes.body IS NULL
+                         OR octet_length(complete_bytes.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
                     AND idempotency._headers_ok(v_headers), false) THEN
+        IF octet_length(complete_bytes.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'body',
+                                            octet_length(complete_bytes.body),
+                                            'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
         PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,
                                             complete_bytes.key, complete_bytes.lease_token,
                                             complete_bytes.status, v_headers);
@@ -588,6 +613,8 @@ migration from 0011 on.';
 --                                        they are created with colocate_with => 'idempotency.keys'
 --   inbox                                distributed by consumer, in the same co-location group
 --   settings, migrations                 reference tables (a copy on every node)
+--   completer_grants                     reference table, read by takeover/list_abandoned on
+--                                        the node the call runs on
 --   grants, maintenance_runs             left on the coordinator, as plain local tables: grants
 --                                        holds regrole OIDs, which are the coordinator's own
 --                                        (each node numbers its roles itself), and is read only
@@ -653,7 +680,8 @@ BEGIN
         SELECT t.name, t.column_name, t.ord
         FROM (VALUES ('keys', 'scope', 1), ('key_directory', 'scope', 2),
                      ('tombstones', 'scope', 3), ('inbox', 'consumer', 4),
-                     ('settings', NULL, 5), ('migrations', NULL, 6))
+                     ('settings', NULL, 5), ('migrations', NULL, 6),
+                     ('completer_grants', NULL, 7))
              AS t (name, column_name, ord)
         ORDER BY t.ord
     LOOP
@@ -744,13 +772,2061 @@ $$;
 
 COMMENT ON FUNCTION idempotency.distribute(integer) IS
 'Citus: distribute keys, key_directory and tombstones by scope and inbox by consumer (co-located;
-shard_count optional), settings and migrations as reference tables, and delegate every per-key
-function to the node that holds its scope. Run on the coordinator after the migrations; running it
+shard_count optional), settings, migrations and completer_grants as reference tables, and
+delegate every per-key function to the node that holds its scope. Run on the coordinator after the migrations; running it
 again changes only what is new. Raises IK021 without Citus. See docs/scale-out.md.';
 
 DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );
+
+-- Size limits (issue 34 "Bounds"): settings.max_request_bytes, max_response_bytes and
+-- max_headers_bytes, refused with IK018 before anything is canonicalized or stored.
+ALTER TABLE idempotency.settings
+ADD COLUMN max_request_bytes integer NOT NULL DEFAULT 1048576
+CHECK (max_request_bytes BETWEEN 65536 AND 1073741824),
+ADD COLUMN max_response_bytes integer NOT NULL DEFAULT 1048576
+CHECK (max_response_bytes BETWEEN 65536 AND 1073741824),
+ADD COLUMN max_headers_bytes integer NOT NULL DEFAULT 16384
+CHECK (max_headers_bytes BETWEEN 4096 AND 1048576);
+COMMENT ON TABLE idempotency.settings IS
+'pg_idempotency settings (exactly one row): partition_interval, retention, premake, tombstones,
+tombstone_retention, manage_partitions, maintenance_lock_timeout, max_request_bytes,
+max_response_bytes, max_headers_bytes.';
+-- sql/functions/_check_size.sql
+-- Refuses an argument larger than its limit in idempotency.settings (max_request_bytes,
+-- max_response_bytes or max_headers_bytes) with IK018, before anything canonicalizes, hashes or
+-- stores it: a 200 MB JSON response once took 42 s and 1.4 GB of one backend's memory, and
+-- 300 MB failed with 54000 deep inside the engine.
+--
+-- The callers measure the datum as the server holds it (pg_column_size of a jsonb,
+-- octet_length of a bytea: both read its header only) and call this only when the size is above
+-- the smallest limit the settings allow (65536 bytes for bodies, 4096 for headers, the CHECKs on
+-- idempotency.settings): the settings row stays off the hot path for every ordinary call.
+CREATE FUNCTION idempotency._check_size(fn text, argument text, size integer, setting text)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    SELECT CASE _check_size.setting
+               WHEN 'max_request_bytes' THEN s.max_request_bytes
+               WHEN 'max_response_bytes' THEN s.max_response_bytes
+               WHEN 'max_headers_bytes' THEN s.max_headers_bytes
+           END
+    INTO v_limit
+    FROM idempotency.settings AS s;
+    IF v_limit IS NULL THEN
+        -- No settings row yet (it is made by the first _premake() or maintain()): the
+        -- defaults of sql/tables/settings.sql.
+        v_limit := CASE _check_size.setting WHEN 'max_headers_bytes' THEN 16384
+                                            ELSE 1048576 END;
+    END IF;
+    IF _check_size.size > v_limit THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: argument "%s" is too large', _check_size.fn,
+                             _check_size.argument),
+            ERRCODE = 'IK018',
+            COLUMN = _check_size.argument,
+            DETAIL = format('It is %s bytes; the limit (settings.%s) is %s bytes.',
+                            _check_size.size, _check_size.setting, v_limit),
+            HINT = format('Nothing was written. Send a smaller value, or have the schema owner '
+                          'raise settings.%s (docs/maintenance.md). See docs/errors.md.',
+                          _check_size.setting);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text) IS
+'Internal: raise IK018 when size (bytes) exceeds the limit in idempotency.settings named by
+setting (max_request_bytes, max_response_bytes or max_headers_bytes).';
+
+-- sql/functions/claim.sql
+-- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
+-- retries see the claim at once: a concurrent claim of the same key waits until this
+-- transaction ends (see sql/tables/key_directory.sql).
+--
+-- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
+-- lease expired; you own it under a higher token and should reconcile from recovery_point),
+-- replay (completed: return the stored response), accepted (a long-running operation's owner
+-- stored an interim response with accept(): return it), in_progress (someone holds a live lease:
+-- retry after retry_after), mismatch (the key was used with a different request: never execute,
+-- never replay), expired (maintain() dropped the key after its retention and kept only a
+-- tombstone, settings.tombstones: never execute, never replay).
+CREATE OR REPLACE FUNCTION idempotency.claim(
+    scope text,
+    key text,
+    request jsonb,
+    lease interval DEFAULT '30 seconds',
+    fingerprint bytea DEFAULT NULL,
+    strict boolean DEFAULT false,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+-- SECURITY DEFINER so that an application role can claim keys without any privilege on the
+-- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.claim', claim.reference_time) END;
+    v_key_hash bytea;
+    v_created_at timestamptz;
+    v_fingerprint bytea;
+    v_existing idempotency.keys;
+    v_previous bigint;
+    v_insert boolean := false;
+    v_result idempotency.claim_result;
+BEGIN
+    -- One inlined test for the common case; the _check_* calls say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
+        PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
+        PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
+    END IF;
+    IF claim.fingerprint IS NOT NULL THEN
+        IF claim.request IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK016',
+                'must be NULL when request is given',
+                'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                || 'fingerprint, not both.');
+        ELSIF octet_length(claim.fingerprint) <> 32 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                format('It is %s bytes long.', octet_length(claim.fingerprint)));
+        END IF;
+        v_fingerprint := claim.fingerprint;
+    ELSIF claim.request IS NULL THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+            'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+    ELSE
+        -- The size first, before canonicalizing (see _check_size; the settings row is read
+        -- only above 64 KiB, the smallest limit allowed).
+        IF pg_column_size(claim.request) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.claim', 'request',
+                                            pg_column_size(claim.request), 'max_request_bytes');
+        END IF;
+        -- fingerprint(request) without its defaults/fields handling, saving a call.
+        v_fingerprint := sha256(convert_to(
+            idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+            'UTF8'));
+    END IF;
+    v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
+    IF current_setting('transaction_isolation') <> 'read committed' THEN
+        PERFORM idempotency._require_read_committed('idempotency.claim');
+    END IF;
+
+    -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
+    -- below either makes this claim the key's one owner, or waits for a concurrent claim of the
+    -- same key to end and then does nothing. Each later statement takes a snapshot after that,
+    -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
+    -- on the node that holds the scope's shard, however the call arrived.
+    FOR attempt IN 1 .. 5 LOOP
+        INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+        VALUES (claim.scope, v_key_hash, v_now)
+        ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+        -- A new key (the common case): its row is inserted after the loop.
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
+
+        SELECT e.created_at INTO v_created_at
+        FROM idempotency.key_directory AS e
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+        IF NOT FOUND THEN
+            -- Dropped (maintain) since the insert looked: insert again.
+            CONTINUE;
+        END IF;
+        -- The row in the one partition created_at names, by a static statement on that
+        -- partition (see _make_routes).
+        v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+        IF v_existing.scope IS NULL THEN
+            -- The key's row is gone (its partition was dropped after its retention): a
+            -- tombstone answers expired (settings.tombstones); without one the key is new
+            -- again, under the same directory row.
+            SELECT 'expired', t.response_status, t.created_at
+            INTO v_result.outcome, v_result.response_status, v_result.created_at
+            FROM idempotency.tombstones AS t
+            WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+              AND t.created_at = v_created_at AND t.expires_at > v_now;
+            IF FOUND THEN
+                RETURN v_result;
+            END IF;
+        ELSIF v_existing.state = 'released' THEN
+            -- Released by its owner after a failure with no side effect: the key is new again
+            -- (even for another request), and its next owner's token must still be greater
+            -- than the released owner's (see _new_token). The released row goes, compared and
+            -- set on its token so that only one of two concurrent claims takes it, by a static
+            -- statement on its one partition (see _make_routes; a DELETE on the parent would
+            -- lock every partition).
+            CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
+                claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
+            v_previous := v_existing.lease_token;
+        ELSIF v_existing.fingerprint <> v_fingerprint THEN
+            IF claim.strict THEN
+                RAISE EXCEPTION USING
+                    MESSAGE = format('idempotency.claim: key %s in scope %s was used with a '
+                                     'different request', to_json(claim.key),
+                                     to_json(claim.scope)),
+                    ERRCODE = 'IK002',
+                    -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                    -- replay the stored response to a caller that does not know the request.
+                    DETAIL = format('This request''s fingerprint is %s.',
+                                    encode(v_fingerprint, 'hex')),
+                    HINT = 'Use a new idempotency key for a different request.';
+            END IF;
+            v_result.outcome := 'mismatch';
+            v_result.created_at := v_existing.created_at;
+            RETURN v_result;
+        ELSE
+            v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+            -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
+            IF v_result.outcome IS NOT NULL THEN
+                RETURN v_result;
+            END IF;
+            -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
+            CONTINUE;
+        END IF;
+        -- Gone or released: the directory row moves to the new key row, compared on the
+        -- created_at read above; a concurrent claim that moved it first makes this one look
+        -- again.
+        UPDATE idempotency.key_directory AS e
+        SET created_at = v_now
+        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+          AND e.created_at = v_created_at;
+        v_insert := FOUND;
+        EXIT WHEN v_insert;
+    END LOOP;
+    IF NOT v_insert THEN
+        -- Five lost races in a row means the owner is actively heartbeating: in progress.
+        v_result.outcome := 'in_progress';
+        v_result.retry_after := claim.lease;
+        RETURN v_result;
+    END IF;
+
+    -- This claim owns the key: its row, in the partition v_now names, with a token above the
+    -- released owner's if there was one.
+    INSERT INTO idempotency.keys AS k (
+        scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+    )
+    VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+            idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+    RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
+              NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,
+              NULL::interval, k.created_at, NULL::timestamptz
+    INTO v_result;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
+'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
+mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is a test clock that
+only the schema owner may pass; leave it NULL. See docs/sql-api.md.';
+
+-- sql/functions/accept.sql
+-- For long-running operations: the owner answers "202 Accepted" now and finishes later (a worker
+-- that heartbeats the lease and calls complete). Call it in the transaction that hands the work
+-- over (the one that enqueues the job), so that the hand-off and the interim response commit
+-- together or not at all. Until complete, a claim of the key under a live lease returns outcome
+-- accepted with this response instead of in_progress, so every retry gets the same answer.
+--
+-- Storage: the interim response lives in the response_* columns of the row, which stays
+-- in_progress (no column of its own: complete() overwrites them with the final response, and a
+-- row is "accepted" exactly when it is in progress with response_status set). Fenced like
+-- complete(): a stale token raises IK001 (IK004 if it completed the key) and the hand-off rolls
+-- back with it.
+CREATE OR REPLACE FUNCTION idempotency.accept(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    lease interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
+    v_created_at timestamptz;
+    v_headers jsonb := coalesce(accept.headers, '{}');
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    -- Sizes first, as in complete().
+    IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
+                    AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
+                    AND (accept.body IS NULL OR pg_column_size(accept.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
+                    AND idempotency._headers_ok(v_headers)
+                    AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
+                    false) THEN
+        IF pg_column_size(accept.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'body',
+                                            pg_column_size(accept.body), 'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
+        PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
+                                            accept.lease_token, accept.status, v_headers);
+        IF accept.lease IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no lease given) keeps the lease as it is.
+    v_expires := idempotency._accept_row(accept.scope, accept.key, accept.lease_token,
+                                         v_created_at, accept.status, v_headers, accept.body,
+                                         v_now + accept.lease);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,
+                                         accept.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.accept(
+    text, text, bigint, integer, jsonb, jsonb, interval, timestamptz
+) IS
+'Store an interim response (e.g. 202 Accepted with a status URL) on a key you hold, in the
+transaction that hands the work over; optionally extend the lease to at least now + lease.
+Returns the lease expiry. Until complete(), claims under a live lease get outcome accepted with
+this response. Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/fingerprint.sql
+-- sha256 of the canonical request. defaults are applied first (a shallow merge: a top-level
+-- field the request omits takes its default, so omitting a field and sending its default give
+-- the same fingerprint); then, when fields is given, only those top-level fields count, so
+-- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
+-- retry into a mismatch.
+CREATE OR REPLACE FUNCTION idempotency.fingerprint(
+    request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
+)
+RETURNS bytea
+LANGUAGE plpgsql
+IMMUTABLE
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_request jsonb := fingerprint.request;
+BEGIN
+    IF v_request IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    -- Sizes before any work on them (see _check_size).
+    IF pg_column_size(v_request) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
+                                        pg_column_size(v_request), 'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.defaults) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
+                                        pg_column_size(fingerprint.defaults),
+                                        'max_request_bytes');
+    END IF;
+    IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
+        IF jsonb_typeof(v_request) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'request', 'IK015',
+                'must be a JSON object when defaults or fields are given',
+                format('It is a JSON %s.', jsonb_typeof(v_request)));
+        END IF;
+        IF jsonb_typeof(fingerprint.defaults) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
+                format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
+        END IF;
+        IF array_ndims(fingerprint.fields) > 1 THEN
+            -- (array_position would raise 0A000 on it.)
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'fields', 'IK015', 'must be a one-dimensional array',
+                format('It has %s dimensions.', array_ndims(fingerprint.fields)));
+        END IF;
+        IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
+                                                  'must not contain NULL');
+        END IF;
+        v_request := coalesce(fingerprint.defaults, '{}') || v_request;
+        IF fingerprint.fields IS NOT NULL THEN
+            SELECT coalesce(jsonb_object_agg(m.key, m.value), '{}') INTO v_request
+            FROM jsonb_each(v_request) AS m
+            WHERE m.key = ANY(fingerprint.fields);
+        END IF;
+    END IF;
+    RETURN sha256(convert_to(
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1),
+        'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.fingerprint(jsonb, jsonb, text[]) IS
+'sha256 (32 bytes) of the canonical form of request, after applying defaults and keeping only
+fields when given. Definition and test vectors: docs/fingerprint.md, tests/vectors/fingerprint.json.';
+
+-- sql/functions/canonical_json.sql
+-- The canonical text of a JSON value (docs/fingerprint.md); the work is done by
+-- idempotency._canonical_json, which says which argument of which function was refused.
+-- PL/pgSQL (a SQL function before 0.11.0) for the size check before that work (_check_size).
+CREATE OR REPLACE FUNCTION idempotency.canonical_json(value jsonb)
+RETURNS text
+LANGUAGE plpgsql
+IMMUTABLE
+STRICT
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pg_column_size(canonical_json.value) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
+                                        pg_column_size(canonical_json.value),
+                                        'max_request_bytes');
+    END IF;
+    RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',
+                                       'value', 1);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
+'Canonical text of a JSON value (sorted keys, plain decimal numbers, minimal escapes, no
+whitespace), as defined in docs/fingerprint.md. Refuses a value larger than
+settings.max_request_bytes (IK018).';
+
+-- sql/functions/metrics.sql
+-- Gauges for Prometheus (docs/operations.md: the postgres exporter's queries file), or any
+-- scraper in any language, after pgmq's metrics() convention: one row, one column per gauge.
+-- Nothing is counted on the claim/complete path; what is read here, and what it costs:
+--   - the keys in progress and the released ones, exactly: one pass over idempotency.keys
+--     reading state. No index
+--     serves it, on purpose (an index on state or lease_expires_at would make every complete()
+--     and heartbeat() a non-HOT update with a second index write; see sql/tables/keys.sql), so
+--     its cost grows with the stored keys: about 1.5 s at 3 million keys (1 GB), measured in
+--     docs/operations.md. This is the only part that reads rows, and scan => false leaves it
+--     out (its columns are then NULL), so a scraper can read the cheap gauges on every scrape
+--     and the pass less often;
+--   - totals, completed keys, tombstones, rows in the default partition: the statistics
+--     collector's live-tuple counts (pg_stat_all_tables.n_live_tup), estimates that lag a
+--     little behind, read per partition without touching a row;
+--   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes);
+--   - on Citus (after distribute()), the same statistics and sizes, summed on each node over
+--     the shards it holds.
+--   - the last maintain() run: the newest row of idempotency.maintenance_runs.
+-- The reference time is clock_timestamp(); only the schema's owner may move it (tests).
+CREATE OR REPLACE FUNCTION idempotency.metrics(
+    reference_time timestamptz DEFAULT NULL,
+    scan boolean DEFAULT true
+)
+RETURNS idempotency.metrics_result
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for monitoring roles without table privileges (grant_usage 'monitor')
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN metrics.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.metrics', metrics.reference_time) END;
+    v_out idempotency.metrics_result;
+    v_settings idempotency.settings;
+    v_oldest timestamptz;
+    v_oldest_expired timestamptz;
+    v_next_drop timestamptz;
+    v_run idempotency.maintenance_runs;
+    v_count bigint;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.metrics');
+    SELECT s.* INTO v_settings FROM idempotency.settings AS s;
+    IF NOT FOUND THEN
+        -- Before the first _premake() or maintain(): the defaults apply.
+        v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
+                          interval '30 days', true, interval '200 milliseconds', 1048576,
+                          1048576, 16384);
+    END IF;
+
+    IF metrics.scan IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.metrics', 'scan', 'IK010',
+                                              'must not be NULL');
+    ELSIF metrics.scan THEN
+        -- Released keys are read in the same pass (they are few: a key's next claim replaces
+        -- its released row), so that the completed estimate below leaves them out.
+        SELECT count(*) FILTER (WHERE k.state = 'in_progress'),
+               count(*) FILTER (WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now),
+               count(*) FILTER (WHERE k.state = 'released'),
+               min(k.created_at) FILTER (WHERE k.state = 'in_progress'),
+               min(k.lease_expires_at) FILTER (
+                   WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now)
+        INTO v_out.keys_in_progress, v_out.keys_expired_leases, v_out.keys_released, v_oldest,
+             v_oldest_expired
+        FROM idempotency.keys AS k
+        WHERE k.state IN ('in_progress', 'released');
+        v_out.oldest_in_progress_age_seconds :=
+            extract(EPOCH FROM v_now - v_oldest)::double precision;
+        v_out.oldest_expired_lease_age_seconds :=
+            extract(EPOCH FROM v_now - v_oldest_expired)::double precision;
+    END IF;
+
+    IF idempotency._distributed() THEN
+        -- Citus: the rows are in the shards on the workers, and the coordinator's own
+        -- partitions are empty shells, so their statistics say 0. Each node sums the statistics
+        -- and sizes of the shards it holds, found through its copy of pg_dist_shard (the shard
+        -- of a partition is a table of its own), in one query per node, all nodes at once
+        -- (run_command_on_all_nodes); still no row is read. A query per shard
+        -- (run_command_on_shards) took 0.9-1.1 s at 32 shards and 5 partitions, this 50-70 ms.
+        -- Dynamic SQL: these functions and catalogs exist only where Citus is installed.
+        EXECUTE $q$
+            SELECT coalesce(sum(split_part(r.result, ',', 1)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 2)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 3)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   coalesce(sum(split_part(r.result, ',', 4)::bigint) FILTER (
+                       WHERE r.success), 0)::bigint,
+                   count(*) FILTER (WHERE NOT r.success)
+            FROM pg_catalog.run_command_on_all_nodes($c$
+                SELECT concat_ws(',',
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.parent = 'idempotency.keys'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.parent = 'idempotency.tombstones'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_stat_get_live_tuples(s.shard)) FILTER (
+                        WHERE s.rel = 'idempotency.keys_default'::regclass), 0),
+                    coalesce(sum(pg_catalog.pg_total_relation_size(s.shard)), 0))
+                FROM (
+                    SELECT d.logicalrelid AS rel,
+                           coalesce(i.inhparent, d.logicalrelid) AS parent,
+                           pg_catalog.to_regclass(
+                               pg_catalog.shard_name(d.logicalrelid, d.shardid)) AS shard
+                    FROM pg_catalog.pg_dist_shard AS d
+                    LEFT JOIN pg_catalog.pg_inherits AS i ON i.inhrelid = d.logicalrelid
+                ) AS s
+                WHERE s.shard IS NOT NULL
+                  AND s.parent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
+                                   'idempotency.tombstones'::regclass,
+                                   'idempotency.key_directory'::regclass)
+            $c$) AS r
+        $q$
+        INTO v_out.keys_total_estimate, v_out.tombstones_estimate, v_out.keys_default_estimate,
+             v_out.total_bytes, v_count;
+        IF v_count > 0 THEN
+            -- A node that did not answer: its part is missing, so say nothing rather than a
+            -- number too small.
+            v_out.keys_total_estimate := NULL;
+            v_out.tombstones_estimate := NULL;
+            v_out.keys_default_estimate := NULL;
+            v_out.total_bytes := NULL;
+        END IF;
+    ELSE
+        SELECT coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
+                   WHERE i.inhparent = 'idempotency.keys'::regclass), 0)::bigint,
+               coalesce(sum(pg_stat_get_live_tuples(i.inhrelid)) FILTER (
+                   WHERE i.inhparent = 'idempotency.tombstones'::regclass), 0)::bigint,
+               coalesce(sum(pg_total_relation_size(i.inhrelid)), 0)::bigint
+        INTO v_out.keys_total_estimate, v_out.tombstones_estimate, v_out.total_bytes
+        FROM pg_inherits AS i
+        WHERE i.inhparent IN ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,
+                              'idempotency.tombstones'::regclass);
+        -- key_directory is not partitioned in 0.9.0.
+        v_out.total_bytes := v_out.total_bytes
+                             + pg_total_relation_size('idempotency.key_directory'::regclass);
+        v_out.keys_default_estimate :=
+            pg_stat_get_live_tuples('idempotency.keys_default'::regclass);
+    END IF;
+    IF metrics.scan AND v_out.keys_total_estimate IS NOT NULL THEN
+        v_out.keys_completed_estimate := greatest(
+            v_out.keys_total_estimate - v_out.keys_in_progress - v_out.keys_released, 0);
+    END IF;
+
+    SELECT count(*)::integer, (count(*) FILTER (WHERE p.lower_bound > v_now))::integer
+    INTO v_out.partitions, v_out.partitions_ahead
+    FROM idempotency._partitions('keys') AS p
+    WHERE NOT p.is_default;
+    v_out.premake := v_settings.premake;
+
+    -- As partition_status(): a partition goes once it is wholly older than its window, never
+    -- the newest one; keys and inbox only while maintain() manages their partitions.
+    SELECT min(p.upper_bound + CASE t.parent WHEN 'tombstones'
+                                   THEN v_settings.tombstone_retention
+                                   ELSE v_settings.retention END)
+    INTO v_next_drop
+    FROM unnest(ARRAY['keys', 'inbox', 'tombstones']) AS t (parent)
+    CROSS JOIN LATERAL idempotency._partitions(t.parent) AS p
+    WHERE NOT p.is_default
+      AND (t.parent = 'tombstones' OR v_settings.manage_partitions)
+      AND p.upper_bound < (
+          SELECT max(n.upper_bound) FROM idempotency._partitions(t.parent) AS n
+          WHERE NOT n.is_default
+      );
+    v_out.next_drop_seconds := extract(EPOCH FROM v_next_drop - v_now)::double precision;
+
+    SELECT r.* INTO v_run FROM idempotency.maintenance_runs AS r ORDER BY r.id DESC LIMIT 1;
+    IF FOUND THEN
+        v_out.maintain_last_run_age_seconds :=
+            extract(EPOCH FROM v_now - v_run.finished_at)::double precision;
+        v_out.maintain_last_duration_seconds :=
+            extract(EPOCH FROM v_run.finished_at - v_run.started_at)::double precision;
+        v_out.maintain_last_outcome := v_run.outcome;
+        v_out.maintain_last_created := v_run.created;
+        v_out.maintain_last_dropped := v_run.dropped;
+        v_out.maintain_last_rows_changed := v_run.rows_changed;
+        v_out.maintain_last_skipped_steps := v_run.skipped_steps;
+    END IF;
+    RETURN v_out;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.metrics(timestamptz, boolean) IS
+'Gauges for monitoring, one row: keys in progress, expired leases and the oldest of each,
+released keys (exact, one pass over the keys in progress or released; NULL with scan => false), estimated totals, completed keys, tombstones and rows in
+the default partition, partitions and partitions ahead, bytes, seconds to the next drop, and
+the last maintain() run (age, duration, outcome, what it did). See docs/operations.md.';
+
+-- sql/functions/partition_status.sql
+-- Observability, for operators (pg-idempotency status): every partition of keys, inbox and
+-- tombstones with its rows, its size, and when maintain() will drop it.
+-- Counts rows exactly, partition by partition, so it reads every row too.
+CREATE OR REPLACE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.partition_status
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(partition_status.reference_time, clock_timestamp());
+    v_settings idempotency.settings;
+    v_parent text;
+    v_newest timestamptz;
+    v_window interval;
+    v_part record;
+    v_row idempotency.partition_status;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.partition_status');
+    IF partition_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.partition_status', 'reference_time',
+                                        partition_status.reference_time);
+    END IF;
+    SELECT s.* INTO v_settings FROM idempotency.settings AS s;
+    IF NOT FOUND THEN
+        -- Before the first _premake() or maintain(): the defaults apply.
+        v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
+                          interval '30 days', true, interval '200 milliseconds', 1048576,
+                          1048576, 16384);
+    END IF;
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        SELECT max(p.upper_bound) INTO v_newest
+        FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        FOR v_part IN
+            SELECT p.* FROM idempotency._partitions(v_parent) AS p
+        LOOP
+            v_row := ROW(v_parent, v_part.partition_name, v_part.lower_bound,
+                         v_part.upper_bound, NULL::bigint, NULL::bigint, NULL::timestamptz,
+                         NULL::text);
+            EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+            INTO v_row.row_count;
+            v_row.total_bytes :=
+                pg_total_relation_size(format('idempotency.%I', v_part.partition_name));
+            IF v_part.is_default THEN
+                v_row.note := 'default';
+            ELSIF v_parent IN ('keys', 'inbox') AND NOT v_settings.manage_partitions THEN
+                v_row.note := 'managed elsewhere';
+            ELSIF v_part.upper_bound = v_newest THEN
+                v_row.note := 'newest';
+            ELSE
+                v_row.drop_after := v_part.upper_bound + v_window;
+                v_row.note := CASE
+                    WHEN v_row.drop_after <= v_now THEN 'due'
+                    WHEN v_part.lower_bound > v_now THEN 'ahead'
+                    WHEN v_part.upper_bound > v_now THEN 'current'
+                    ELSE 'retained' END;
+            END IF;
+            RETURN NEXT v_row;
+        END LOOP;
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
+'Every partition of keys, inbox and tombstones: bounds, exact row count, total
+size, and drop_after (when maintain() will drop it; NULL for the default and the newest
+partition).';
+
+
+-- Time arguments checked against one range (IK014, never 22008 from inside), and maintain()
+-- never drops or deletes the newest interval holding rows, so no reference_time empties a
+-- table. The functions only the coordinator serves answer IK022 on a Citus worker.
+-- sql/functions/_check_time.sql
+-- The range of every time argument (reference_time): a finite time from 1970-01-01 00:00 UTC up
+-- to, not including, 9999-01-01 00:00 UTC. Inside it no arithmetic of the engine overflows (a
+-- lease, a retention, the partitions made ahead of maintain()'s time: 294276-12-31 raised 22008
+-- from inside maintain()), and nothing is made for a past before any key (maintain('1960-01-01')
+-- made partitions for 1960). Refused with IK014 naming fn's argument.
+CREATE FUNCTION idempotency._check_time(fn text, argument text, value timestamptz)
+RETURNS void
+LANGUAGE plpgsql
+IMMUTABLE
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF NOT isfinite(_check_time.value)
+       OR _check_time.value < timestamptz '1970-01-01 00:00:00+00'
+       OR _check_time.value >= timestamptz '9999-01-01 00:00:00+00' THEN
+        PERFORM idempotency._invalid_argument(
+            _check_time.fn, _check_time.argument, 'IK014',
+            'must be a finite time from 1970 to 9998',
+            format('It is %s.', _check_time.value));
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_time(text, text, timestamptz) IS
+'Internal: raise IK014 unless value is a finite time from 1970-01-01 to 9998-12-31 (UTC).';
+
+-- sql/functions/_require_coordinator.sql
+-- Refuses a call on a Citus worker with IK022, as distribute() does, for the functions that only
+-- the coordinator can serve: maintenance (its partition DDL and idempotency.maintenance_runs
+-- are the coordinator's), the metrics (maintenance_runs again, and the statistics of every
+-- node, gathered from the coordinator) and the status reports. On a worker they failed with
+-- raw 42P01 / 42704 on coordinator-local tables. Never on the per-key path: only functions
+-- that read whole tables call it. One catalog lookup when Citus is installed, none otherwise.
+CREATE FUNCTION idempotency._require_coordinator(fn text)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_group integer;
+BEGIN
+    IF to_regclass('pg_catalog.pg_dist_local_group') IS NULL THEN
+        RETURN;
+    END IF;
+    -- Dynamic SQL: Citus's catalog exists only where it is installed. Group 0 is the
+    -- coordinator's (and that of a server Citus is installed on but that is in no cluster).
+    EXECUTE 'SELECT g.groupid FROM pg_catalog.pg_dist_local_group AS g' INTO v_group;
+    IF coalesce(v_group, 0) <> 0 THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: this node is not the Citus coordinator',
+                             _require_coordinator.fn),
+            ERRCODE = 'IK022',
+            DETAIL = format('This is a worker (Citus group %s). Maintenance, metrics and the '
+                            'status reports run on the coordinator, which holds '
+                            'idempotency.maintenance_runs and reaches every node.', v_group),
+            HINT = 'Run it on the coordinator (docs/scale-out.md).';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._require_coordinator(text) IS
+'Internal: raise IK022 when called on a Citus worker (a node whose Citus group is not 0).';
+
+-- sql/functions/_test_clock.sql
+-- The engine's clock is clock_timestamp(). The reference_time argument of the functions that
+-- take one replaces it, so that tests (and the conformance scenarios' virtual clock) can expire
+-- leases without sleeping. It is checked here, and only when it is given (the functions call
+-- this only for a non-NULL reference_time, so the hot path pays nothing):
+--   - only a member of the role that owns schema idempotency (or a superuser) may pass it. An
+--     application role that could move the clock could stretch or cut leases at will. The
+--     invoker is read from the "role" setting (what SET ROLE chose) or else session_user,
+--     because inside a SECURITY DEFINER function current_user is the owner;
+--   - it must be a finite time between 1970 and 9999, so that no lease arithmetic overflows
+--     (22008) and no lease is infinite.
+-- No lookup depends on it: which rows a call finds is decided by idempotency.key_directory,
+-- never by a time bound (see docs/design.md).
+CREATE OR REPLACE FUNCTION idempotency._test_clock(fn text, reference_time timestamptz)
+RETURNS timestamptz
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_invoker text := current_setting('role');
+BEGIN
+    IF _test_clock.reference_time IS NULL THEN
+        RETURN clock_timestamp();
+    END IF;
+    IF v_invoker = 'none' THEN
+        v_invoker := session_user::text;
+    END IF;
+    IF NOT pg_has_role(
+        v_invoker,
+        (SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'idempotency'),
+        'MEMBER'
+    ) THEN
+        PERFORM idempotency._invalid_argument(
+            _test_clock.fn, 'reference_time', 'IK017',
+            'may be passed only by the owner of schema idempotency',
+            format('Role %s is not a member of the schema''s owner. reference_time is a test '
+                   'clock: leave it NULL and the engine uses clock_timestamp().',
+                   to_json(v_invoker)));
+    END IF;
+    PERFORM idempotency._check_time(_test_clock.fn, 'reference_time',
+                                    _test_clock.reference_time);
+    RETURN _test_clock.reference_time;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._test_clock(text, timestamptz) IS
+'Internal: the time a function runs at: clock_timestamp(), or a reference_time passed by the
+schema owner (a test clock), checked.';
+
+-- sql/functions/_maintain.sql
+-- The work of idempotency.maintain() (below), which wraps it to record each run in
+-- idempotency.maintenance_runs. Everything said here is what maintain() does.
+--
+-- Retention by partitions, for idempotency.keys, idempotency.inbox and idempotency.tombstones.
+-- Run it from a scheduler (pg_cron: schedule_maintenance; cron; a Kubernetes CronJob) as often
+-- as you like: every step is idempotent and a run that finds nothing to do changes nothing.
+--
+-- A run has two phases, because the first exclusive lock it takes on a parent table is held
+-- until the run's transaction commits, and every claim waits for it meanwhile:
+--
+-- 1. Slow work under ordinary locks only, while claims go on: tombstones for the keys about to
+--    go (settings.tombstones), deleting expired rows from the default partitions, counting the
+--    rows of the partitions to drop.
+-- 2. Fast DDL, each step under settings.maintenance_lock_timeout (200 ms by default): drop the
+--    partitions wholly older than the retention (never the newest one), move rows that wait in
+--    a default partition into a partition made for them, create settings.premake partitions
+--    ahead. A step whose lock is not granted in time is skipped and reported, and so are the
+--    later steps on that table: the run never queues an exclusive lock in front of live claims
+--    for longer than the timeout, and a long transaction can only make it skip.
+--
+-- Tables are taken in the order keys, tombstones, inbox: claim() locks keys before tombstones,
+-- so a run never holds the tombstones lock while it waits for the keys lock.
+CREATE OR REPLACE FUNCTION idempotency._maintain(reference_time timestamptz DEFAULT now())
+RETURNS SETOF idempotency.maintenance_action
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_settings idempotency.settings;
+    v_saved_lock_timeout text := current_setting('lock_timeout');
+    v_parents text[] := ARRAY['keys', 'tombstones', 'inbox'];
+    v_parent text;
+    v_window interval;
+    v_newest timestamptz;
+    v_keep_from timestamptz;
+    v_cutoff timestamptz;
+    v_column text;
+    v_found boolean;
+    v_part record;
+    v_count bigint;
+    v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
+    v_blocked text[] := ARRAY[]::text[];
+    v_step idempotency.maintenance_action;
+    v_timeout text;
+    v_forgotten bigint := 0::bigint;
+BEGIN
+    IF _maintain.reference_time IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    -- 'infinity' dropped every partition holding keys, 294276-12-31 raised 22008 from the
+    -- partition arithmetic, 1960-01-01 made partitions for 1960: the range every reference_time
+    -- has (see _check_time).
+    PERFORM idempotency._check_time('idempotency.maintain', 'reference_time',
+                                    _maintain.reference_time);
+    -- Two runs at once would only wait for each other's locks: the second one leaves at once.
+    -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
+    IF NOT pg_try_advisory_xact_lock(3, 0) THEN
+        v_step.action := 'skipped';
+        v_step.reason := 'another idempotency.maintain() run holds the maintenance lock';
+        RETURN NEXT v_step;
+        RETURN;
+    END IF;
+    INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
+    SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
+    IF idempotency._distributed() THEN
+        -- Citus: the partition DDL below may not follow statements that ran on many shards in
+        -- parallel in the same transaction; one connection per node keeps both possible.
+        PERFORM set_config('citus.multi_shard_modify_mode', 'sequential', true);
+    END IF;
+
+    -- Phase 1: no exclusive lock yet.
+    FOREACH v_parent IN ARRAY v_parents LOOP
+        IF v_parent <> 'tombstones' AND NOT v_settings.manage_partitions THEN
+            v_step := ROW('skipped', v_parent, NULL::text, NULL::timestamptz, NULL::timestamptz,
+                          NULL::bigint,
+                          'settings.manage_partitions is off: its partitions are managed '
+                          || 'elsewhere (pg_partman)');
+            RETURN NEXT v_step;
+            CONTINUE;
+        END IF;
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        v_column := CASE v_parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END;
+
+        -- The rows of the newest interval that holds any are never dropped or deleted, however
+        -- far ahead reference_time is, so that no argument empties the table (a reference_time
+        -- in 9998 dropped every key, and every retry after it executed again). v_keep_from is
+        -- the start of that interval: the newest ranged partition with a row, or the
+        -- partition_interval bucket of the default partition's newest row when that is newer.
+        -- The cost: a system that took no new row for longer than the window keeps its last
+        -- interval's rows until newer ones come (docs/maintenance.md).
+        v_keep_from := NULL;
+        IF v_window IS NOT NULL THEN
+            FOR v_part IN
+                SELECT p.partition_name, p.lower_bound FROM idempotency._partitions(v_parent) AS p
+                WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
+                ORDER BY p.lower_bound DESC
+            LOOP
+                EXECUTE format('SELECT EXISTS (SELECT FROM idempotency.%I)',
+                               v_part.partition_name)
+                INTO v_found;
+                IF v_found THEN
+                    v_keep_from := v_part.lower_bound;
+                    EXIT;
+                END IF;
+            END LOOP;
+            EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
+                           v_column, v_parent || '_default')
+            INTO v_newest
+            USING v_settings.partition_interval, timestamptz '2000-01-01 00:00:00+00';
+            v_keep_from := greatest(v_keep_from, v_newest);
+        END IF;
+        -- Rows (and partitions wholly) before v_cutoff go.
+        v_cutoff := least(_maintain.reference_time - v_window, v_keep_from);
+
+        -- Rows of the default partition past their retention: no partition to drop, so delete.
+        IF v_parent = 'keys' AND v_settings.tombstones THEN
+            v_count := idempotency._write_tombstones(
+                'keys_default', v_cutoff,
+                v_settings.tombstone_retention, _maintain.reference_time);
+            IF v_count > 0 THEN
+                v_step := ROW('tombstoned', v_parent, 'keys_default', NULL::timestamptz,
+                              NULL::timestamptz, v_count,
+                              'keys past the retention in the default partition');
+                RETURN NEXT v_step;
+            END IF;
+        END IF;
+        -- Their directory rows first (keys that got a tombstone just above keep theirs).
+        v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+            v_parent, v_parent || '_default',
+            CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
+                 THEN 'infinity' ELSE v_cutoff END);
+        IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
+            -- Tombstones off: an expired key is a new request, so forget them all.
+            v_window := NULL;
+            DELETE FROM idempotency.tombstones_default;
+        ELSE
+            EXECUTE format('DELETE FROM idempotency.%I WHERE %I < $1', v_parent || '_default',
+                           v_column)
+            USING v_cutoff;
+        END IF;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        IF v_count > 0 THEN
+            v_step := ROW('deleted', v_parent, v_parent || '_default', NULL::timestamptz,
+                          NULL::timestamptz, v_count,
+                          CASE WHEN v_window IS NULL THEN 'settings.tombstones is off'
+                               ELSE format('older than %s (%s)', v_window,
+                                           CASE v_parent WHEN 'tombstones'
+                                               THEN 'tombstone_retention'
+                                               ELSE 'retention' END) END);
+            RETURN NEXT v_step;
+        END IF;
+
+        -- Ranged partitions wholly older than the window, oldest first.
+        SELECT max(p.upper_bound) INTO v_newest
+        FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        FOR v_part IN
+            SELECT p.partition_name, p.lower_bound, p.upper_bound
+            FROM idempotency._partitions(v_parent) AS p
+            WHERE NOT p.is_default
+              AND (v_window IS NULL OR p.upper_bound <= _maintain.reference_time - v_window)
+            ORDER BY p.lower_bound
+        LOOP
+            IF v_window IS NOT NULL AND v_part.upper_bound = v_newest THEN
+                -- A reference_time far ahead must not empty the table of partitions.
+                v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, NULL::bigint,
+                              'the newest partition is never dropped');
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            IF v_window IS NOT NULL AND v_part.upper_bound > v_cutoff THEN
+                -- Nor the one holding the newest rows, nor any after it (see v_keep_from).
+                v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, NULL::bigint,
+                              'never dropped: it holds the newest rows, or comes after them');
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            IF v_parent = 'keys' AND v_settings.tombstones THEN
+                v_count := idempotency._write_tombstones(
+                    v_part.partition_name, v_part.upper_bound,
+                    v_settings.tombstone_retention, _maintain.reference_time);
+                v_step := ROW('tombstoned', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, v_count, 'before the partition is dropped');
+                RETURN NEXT v_step;
+            END IF;
+            -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay short.
+            -- Should the DROP be skipped, these keys are past their retention and a retry of
+            -- one is a new request, as it would be once the partition is gone.
+            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                v_parent, v_part.partition_name, 'infinity');
+            EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+            INTO v_count;
+            v_drops := v_drops || ROW(
+                'dropped', v_parent, v_part.partition_name, v_part.lower_bound,
+                v_part.upper_bound, v_count,
+                CASE WHEN v_window IS NULL THEN 'settings.tombstones is off'
+                     ELSE format('wholly older than %s (%s)', v_window,
+                                 CASE v_parent WHEN 'tombstones' THEN 'tombstone_retention'
+                                               ELSE 'retention' END) END
+            )::idempotency.maintenance_action;
+        END LOOP;
+    END LOOP;
+
+    -- Phase 2: DDL under a short lock_timeout (local to this transaction; restored below).
+    v_timeout := ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint
+                 || ' ms';
+    PERFORM set_config('lock_timeout', v_timeout, true);
+    FOREACH v_parent IN ARRAY v_parents LOOP
+        CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
+        FOREACH v_step IN ARRAY v_drops LOOP
+            CONTINUE WHEN v_step.parent_table <> v_parent;
+            IF v_parent = ANY (v_blocked) THEN
+                v_step.action := 'skipped';
+                v_step.reason := format('not dropped: an earlier step could not lock '
+                                        'idempotency.%s', v_parent);
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            BEGIN
+                -- Also takes ACCESS EXCLUSIVE on the parent, held until the run commits.
+                EXECUTE format('DROP TABLE idempotency.%I', v_step.partition_name);
+                RETURN NEXT v_step;
+            EXCEPTION WHEN lock_not_available THEN
+                v_blocked := v_blocked || v_parent;
+                v_step.action := 'skipped';
+                v_step.reason := format(
+                    'not dropped: idempotency.%s was not locked within %s '
+                    '(settings.maintenance_lock_timeout); a transaction is using it',
+                    v_parent, v_timeout);
+                RETURN NEXT v_step;
+            END;
+        END LOOP;
+        FOR v_step IN
+            SELECT * FROM idempotency._make_partitions(
+                v_parent, v_settings, _maintain.reference_time, v_parent = ANY (v_blocked))
+        LOOP
+            IF v_step.action = 'skipped' AND v_step.reason LIKE '%was not locked within%' THEN
+                v_blocked := v_blocked || v_parent;
+            END IF;
+            RETURN NEXT v_step;
+        END LOOP;
+    END LOOP;
+
+    IF v_forgotten > 0 THEN
+        v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                      NULL::timestamptz, v_forgotten,
+                      'the directory rows of the keys and tombstones that go');
+        RETURN NEXT v_step;
+    END IF;
+    IF NOT v_settings.manage_partitions THEN
+        -- pg_partman drops partitions of keys and inbox without telling: forget the directory
+        -- rows that point at no key, tombstone or message any more (a claim would treat such a row as a new
+        -- key anyway; this only keeps the directory from growing). It reads the whole
+        -- directory, so only in this mode.
+        DELETE FROM idempotency.key_directory AS d
+        WHERE d.created_at < _maintain.reference_time - v_settings.retention
+          AND NOT EXISTS (
+              SELECT FROM idempotency.keys AS k
+              WHERE k.scope = d.scope AND k.created_at = d.created_at
+                AND idempotency._key_hash(k.key) = d.key_hash
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.tombstones AS t
+              WHERE t.scope = d.scope AND t.key_hash = d.key_hash
+                AND t.created_at = d.created_at
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.inbox AS i
+              WHERE i.consumer = d.scope AND i.received_at = d.created_at
+                AND idempotency._key_hash(chr(31) || i.message_id) = d.key_hash
+          );
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        IF v_count > 0 THEN
+            v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                          NULL::timestamptz, v_count,
+                          format('older than %s (retention) and pointing to no key or '
+                                 'tombstone (partitions dropped elsewhere)',
+                                 v_settings.retention));
+            RETURN NEXT v_step;
+        END IF;
+    END IF;
+    -- The partitions of keys may have changed (here, or by pg_partman since the last run).
+    PERFORM idempotency._make_routes();
+    PERFORM set_config('lock_timeout', v_saved_lock_timeout, true);
+    RETURN;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._maintain(timestamptz) IS
+'Internal: the steps of idempotency.maintain(), which records each run in
+idempotency.maintenance_runs. See docs/maintenance.md.';
+
+-- sql/functions/maintain.sql
+-- Retention by partitions, for idempotency.keys, idempotency.inbox and idempotency.tombstones:
+-- the steps are idempotency._maintain()'s (read there how a run goes). This wrapper returns
+-- them as they come and records the run in idempotency.maintenance_runs at its end, in the
+-- run's own transaction, so idempotency.metrics() can tell when maintenance last ran, how long
+-- it took and what it did without anything being written on the claim/complete path.
+CREATE OR REPLACE FUNCTION idempotency.maintain(reference_time timestamptz DEFAULT now())
+RETURNS SETOF idempotency.maintenance_action
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_started timestamptz := clock_timestamp();
+    v_step idempotency.maintenance_action;
+    v_created integer := 0;
+    v_dropped integer := 0;
+    v_rows bigint := 0::bigint;
+    v_skipped integer := 0;
+    v_not_done boolean := false;
+    v_whole_run_skipped boolean := false;
+    v_id bigint;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.maintain');
+    FOR v_step IN SELECT * FROM idempotency._maintain(maintain.reference_time) LOOP
+        CASE v_step.action
+            WHEN 'created' THEN
+                v_created := v_created + 1;
+            WHEN 'dropped' THEN
+                v_dropped := v_dropped + 1;
+            WHEN 'skipped' THEN
+                v_skipped := v_skipped + 1;
+                -- "not dropped: ...", "not moved: ...", "not created: ...": a step that was
+                -- due but could not be done (a lock not granted in time, an error caught).
+                -- Other skips are by design (the newest partition, manage_partitions off).
+                v_not_done := v_not_done OR v_step.reason LIKE 'not %';
+                v_whole_run_skipped := v_whole_run_skipped OR v_step.parent_table IS NULL;
+            ELSE
+                v_rows := v_rows + coalesce(v_step.row_count, 0);
+        END CASE;
+        RETURN NEXT v_step;
+    END LOOP;
+    INSERT INTO idempotency.maintenance_runs (
+        started_at, finished_at, reference_time, outcome, created, dropped, rows_changed,
+        skipped_steps
+    )
+    VALUES (
+        v_started, clock_timestamp(), maintain.reference_time,
+        CASE WHEN v_whole_run_skipped THEN 'skipped'
+             WHEN v_not_done THEN 'partial'
+             ELSE 'ok' END,
+        v_created, v_dropped, v_rows, v_skipped
+    )
+    RETURNING id INTO v_id;
+    DELETE FROM idempotency.maintenance_runs WHERE id <= v_id - 1000;
+    RETURN;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
+'Retention by partitions for keys, inbox and tombstones, with the key_directory rows of what
+goes: write tombstones (opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
+partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
+not granted within settings.maintenance_lock_timeout, and a run while another one is active.
+Returns what it did and records the run in idempotency.maintenance_runs. See
+docs/maintenance.md.';
+
+-- sql/functions/key_status.sql
+-- Observability, for operators (pg-idempotency status): keys by scope and state, the oldest key
+-- in progress, expired leases nobody has taken over yet, live tombstones. It reads every row,
+-- so run it on demand, not on every scrape of a busy system.
+CREATE OR REPLACE FUNCTION idempotency.key_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.key_status
+-- PL/pgSQL, not SQL: Citus cannot plan a SQL function's parameterised query (its planner sees
+-- the parameters unresolved).
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.key_status');
+    IF key_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.key_status', 'reference_time',
+                                        key_status.reference_time);
+    END IF;
+    -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
+    -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
+    RETURN QUERY
+    SELECT s.* FROM (
+    SELECT k.scope,
+           k.state,
+           count(*),
+           min(k.created_at),
+           (array_agg(k.key ORDER BY k.created_at) FILTER (WHERE k.state = 'in_progress'))[1],
+           count(*) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           ),
+           min(k.lease_expires_at) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           )
+    FROM idempotency.keys AS k
+    GROUP BY k.scope, k.state
+    UNION ALL
+    SELECT t.scope, 'tombstone', count(*), min(t.created_at), NULL, NULL, NULL
+    FROM idempotency.tombstones AS t
+    WHERE t.expires_at > v_now
+    GROUP BY t.scope
+    ) AS s (scope, state, keys, oldest_created_at, oldest_key, expired_leases,
+            oldest_expired_lease)
+    ORDER BY s.scope, s.state;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS
+'Keys per scope and state (in_progress, completed, released, tombstone): count, oldest, the
+oldest key in progress, expired leases waiting for takeover. Reads every row.';
+
+-- sql/functions/metrics_by_scope.sql
+-- idempotency.metrics()'s exact gauges per scope, for scopes with keys in progress or released
+-- (a scope with neither has no row). The same one pass over idempotency.keys as metrics().
+CREATE OR REPLACE FUNCTION idempotency.metrics_by_scope(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.scope_metrics
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for monitoring roles without table privileges (grant_usage 'monitor')
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN metrics_by_scope.reference_time IS NULL
+        THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.metrics_by_scope',
+                                     metrics_by_scope.reference_time) END;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.metrics_by_scope');
+    RETURN QUERY
+    SELECT k.scope,
+           count(*) FILTER (WHERE k.state = 'in_progress'),
+           count(*) FILTER (WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now),
+           extract(EPOCH FROM v_now - min(k.created_at) FILTER (
+               WHERE k.state = 'in_progress'))::double precision,
+           count(*) FILTER (WHERE k.state = 'released')
+    FROM idempotency.keys AS k
+    WHERE k.state IN ('in_progress', 'released')
+    GROUP BY k.scope
+    ORDER BY k.scope;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.metrics_by_scope(timestamptz) IS
+'Per scope with keys in progress or released: keys in progress, expired leases, the oldest key
+in progress''s age in seconds, released keys. Exact, one pass over those keys. See
+docs/operations.md.';
+
+
+-- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
+-- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
+-- which takeover() and list_abandoned() check (_completer_scopes, IK023). The roles granted
+-- before keep every scope: their rows get scopes NULL, and the _reapply_grants() at the end of
+-- this migration fills the mirror.
+ALTER TABLE idempotency.grants ADD COLUMN scopes text[];
+COMMENT ON TABLE idempotency.grants IS
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor), and a
+completer''s scopes (NULL: every scope); re-applied by every migration from 0010 on.';
+-- sql/tables/completer_grants.sql
+-- The completer grants of idempotency.grants, by role NAME, for the scope check of takeover()
+-- and list_abandoned() (idempotency._completer_scopes). Kept apart from grants because the
+-- check must run on whatever node runs the call: on Citus, takeover is delegated to the node
+-- holding the scope's shard, where grants (coordinator-local, holding the coordinator's role
+-- OIDs) is not; this table is a reference table (distribute()), and role names are the same on
+-- every node (Citus propagates roles). Written only by the trigger on grants
+-- (_mirror_completer_grants), which rebuilds it from grants after every change, so a DELETE
+-- from grants (withdrawing a kind, docs/install.md) withdraws the scopes too.
+CREATE TABLE idempotency.completer_grants (
+    grantee name PRIMARY KEY,
+    -- The scopes its completer grant allows; NULL for every scope.
+    scopes text[]
+);
+
+COMMENT ON TABLE idempotency.completer_grants IS
+'Completer grants by role name (scopes NULL: every scope), mirrored from idempotency.grants by
+a trigger; read by takeover() and list_abandoned() on the node a call runs on.';
+
+REVOKE ALL ON idempotency.completer_grants FROM public;
+
+-- sql/functions/_completer_scopes.sql
+-- The scopes the calling role may take over and list as a completer: NULL for every scope (the
+-- schema owner's members, superusers, and roles reaching a completer grant without scopes);
+-- otherwise the union of the scopes of the completer grants it reaches. With scope given,
+-- raises IK023 unless scope is one of them. Called by takeover() and list_abandoned() first,
+-- before they read any key, so a refusal tells nothing about any key.
+--
+-- Who calls: inside a SECURITY DEFINER function current_user is the owner, so the caller is
+-- read as _test_clock reads it, from the "role" setting (what SET ROLE chose, which only a
+-- member of that role can set) or else session_user. A role "reaches" a grant when it has the
+-- privileges of the grant's role (pg_has_role USAGE: itself, or a role it inherits from), which
+-- is how it got EXECUTE on these functions. The grants are read by name from completer_grants,
+-- which is on every node of a Citus cluster (takeover runs on the scope's node there).
+-- Fails closed: a role that reaches no completer grant (EXECUTE granted by hand, or renamed
+-- since its grant: the mirror goes by name) is refused (IK023) until grant_usage() records it.
+CREATE FUNCTION idempotency._completer_scopes(fn text, scope text)
+RETURNS text[]
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_invoker text := current_setting('role');
+    v_grants integer;
+    v_every boolean;
+    v_scopes text[];
+BEGIN
+    IF v_invoker = 'none' THEN
+        v_invoker := session_user::text;
+    END IF;
+    IF pg_has_role(
+        v_invoker,
+        (SELECT n.nspowner FROM pg_namespace AS n WHERE n.nspname = 'idempotency'),
+        'MEMBER'
+    ) THEN
+        RETURN NULL;
+    END IF;
+    SELECT count(*)::integer, coalesce(bool_or(c.scopes IS NULL), false),
+           coalesce(array_agg(DISTINCT s.scope) FILTER (WHERE s.scope IS NOT NULL), '{}')
+    INTO v_grants, v_every, v_scopes
+    FROM idempotency.completer_grants AS c
+    INNER JOIN pg_roles AS r ON r.rolname = c.grantee
+    LEFT JOIN LATERAL unnest(c.scopes) AS s (scope) ON true
+    WHERE pg_has_role(v_invoker, r.oid, 'USAGE');
+    IF v_every THEN
+        RETURN NULL;
+    END IF;
+    IF v_grants = 0 OR (_completer_scopes.scope IS NOT NULL
+                        AND NOT _completer_scopes.scope = ANY (v_scopes)) THEN
+        RAISE EXCEPTION USING
+            MESSAGE = CASE WHEN v_grants = 0
+                THEN format('%s: role %s holds no completer grant', _completer_scopes.fn,
+                            to_json(v_invoker))
+                ELSE format('%s: role %s may not act on scope %s', _completer_scopes.fn,
+                            to_json(v_invoker), to_json(_completer_scopes.scope)) END,
+            ERRCODE = 'IK023',
+            COLUMN = 'scope',
+            DETAIL = CASE WHEN v_grants = 0
+                THEN 'Its EXECUTE privilege was not given by idempotency.grant_usage(), or it '
+                     'was renamed since.'
+                ELSE 'Its completer grant is limited to other scopes. Nothing was read or '
+                     'changed.' END,
+            HINT = 'As the schema owner: SELECT idempotency.grant_usage(role, kind => '
+                   '''completer'', scopes => ARRAY[...]).';
+    END IF;
+    RETURN v_scopes;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._completer_scopes(text, text) IS
+'Internal: the scopes the calling role may act on as a completer (NULL: every scope); raises
+IK023 when scope is not one of them or the role holds no completer grant.';
+
+-- sql/functions/_mirror_completer_grants.sql
+-- Rebuilds idempotency.completer_grants from idempotency.grants after any change to grants
+-- (grant_usage, _reapply_grants, or an operator's DELETE when withdrawing a kind): the scope
+-- check reads the mirror, by role name, on whatever node runs the call (see
+-- sql/tables/completer_grants.sql). A rebuild, not a row-by-row copy: the table holds a row
+-- per completer role, and grants change only in administration.
+CREATE FUNCTION idempotency._mirror_completer_grants()
+RETURNS trigger
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    DELETE FROM idempotency.completer_grants;
+    -- A role dropped since its grant has no name to go by: left out (it can call nothing).
+    INSERT INTO idempotency.completer_grants (grantee, scopes)
+    SELECT r.rolname, g.scopes
+    FROM idempotency.grants AS g
+    INNER JOIN pg_roles AS r ON r.oid = g.grantee
+    WHERE g.kind = 'completer';
+    RETURN NULL;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._mirror_completer_grants() IS
+'Internal (trigger on idempotency.grants): rebuild idempotency.completer_grants, the completer
+grants by role name.';
+
+CREATE TRIGGER mirror_completer_grants
+AFTER INSERT OR UPDATE OR DELETE OR TRUNCATE ON idempotency.grants
+FOR EACH STATEMENT EXECUTE FUNCTION idempotency._mirror_completer_grants();
+
+DROP FUNCTION idempotency.grant_usage(regrole, text);
+-- sql/functions/grant_usage.sql
+-- The least-privilege setup for the two kinds of application role. Neither gets any privilege
+-- on the tables, the sequence or the internal functions: they call public functions that run
+-- as their owner. Run by the owner of the schema (the installer).
+--
+-- kind 'request' is for request handlers: claim and the fenced calls a handler makes with the
+-- lease token its own claim returned. Every read it can make is of a key it presents with its
+-- request (claim compares the request's fingerprint before it returns a stored response), so
+-- it cannot read another scope's stored response through any function.
+-- kind 'completer' is for background completers (python/pg_idempotency/jobs.py's worker, or
+-- any language's): takeover and list_abandoned, which act on a key without its request, plus
+-- the fenced calls that finish the work. A takeover returns a completed key's stored response
+-- without the request, so a completer is trusted with every scope it may act on: scopes =>
+-- ARRAY[...] limits it to those (takeover and list_abandoned raise IK023 for any other, and
+-- list_abandoned without a scope lists only those; see _completer_scopes); NULL, the default,
+-- is every scope. The fenced calls are not checked: they need the lease token, which such a
+-- role gets only from a takeover in its scopes (docs/design.md, "Completer scopes").
+-- kind 'monitor' is for scrapers (the Prometheus postgres exporter): metrics() and
+-- metrics_by_scope() only, which read counts, ages and sizes, never a key or a response.
+-- A role may be granted several kinds. Grants add up, and each is recorded in
+-- idempotency.grants, so every later migration grants the role what its kind has then
+-- (idempotency._reapply_grants). A completer's scopes add up the same way (NULL, every scope,
+-- absorbs any list); to narrow them, delete the row and grant again. To take a kind away,
+-- delete its row and REVOKE EXECUTE (docs/install.md, Privileges).
+CREATE FUNCTION idempotency.grant_usage(
+    grantee regrole,
+    kind text DEFAULT 'request',
+    scopes text[] DEFAULT NULL
+)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- What both kinds call with the token they hold, and the pure helpers.
+    v_common text := 'idempotency.checkpoint(text, text, bigint, text, interval, timestamptz), '
+        || 'idempotency.heartbeat(text, text, bigint, interval, timestamptz), '
+        || 'idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz), '
+        || 'idempotency.complete_bytes(text, text, bigint, integer, bytea, text, jsonb, '
+        || 'timestamptz), '
+        || 'idempotency.accept(text, text, bigint, integer, jsonb, jsonb, interval, '
+        || 'timestamptz), '
+        || 'idempotency.release(text, text, bigint), '
+        || 'idempotency.fingerprint(jsonb, jsonb, text[]), '
+        || 'idempotency.canonical_json(jsonb), '
+        || 'idempotency.derive_key(text, text, text)';
+    v_scope text;
+BEGIN
+    IF grant_usage.grantee IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'grantee', 'IK010',
+                                              'must not be NULL');
+    ELSIF grant_usage.kind IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'kind', 'IK010',
+                                              'must not be NULL');
+    ELSIF grant_usage.kind NOT IN ('request', 'completer', 'monitor') THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.grant_usage', 'kind', 'IK014',
+            'must be ''request'', ''completer'' or ''monitor''',
+            format('It is %s.', to_json(grant_usage.kind)));
+    END IF;
+    IF grant_usage.scopes IS NOT NULL THEN
+        IF grant_usage.kind <> 'completer' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK016',
+                'applies to kind ''completer'' only',
+                format('kind is %s; a request role claims in any scope its caller names.',
+                       to_json(grant_usage.kind)));
+        ELSIF array_ndims(grant_usage.scopes) IS DISTINCT FROM 1
+              OR cardinality(grant_usage.scopes) > 10000 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK014',
+                'must be a one-dimensional array of 1 to 10000 scopes, or NULL for every scope',
+                format('It has %s elements in %s dimensions.',
+                       cardinality(grant_usage.scopes),
+                       coalesce(array_ndims(grant_usage.scopes), 0)));
+        END IF;
+        FOREACH v_scope IN ARRAY grant_usage.scopes LOOP
+            IF v_scope IS NULL THEN
+                PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'scopes',
+                                                      'IK010', 'must not contain NULL');
+            END IF;
+            PERFORM idempotency._check_name('idempotency.grant_usage', 'scopes', v_scope);
+        END LOOP;
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idempotency TO %s', grant_usage.grantee);
+    -- Grants add up: a second list joins the first; NULL (every scope) wins over any list.
+    -- The trigger on grants mirrors the completer rows into completer_grants.
+    INSERT INTO idempotency.grants AS g (grantee, kind, scopes)
+    VALUES (grant_usage.grantee, grant_usage.kind,
+            (SELECT array_agg(DISTINCT s ORDER BY s) FROM unnest(grant_usage.scopes) AS s))
+    ON CONFLICT ON CONSTRAINT grants_pkey DO UPDATE
+    SET scopes = CASE WHEN g.scopes IS NULL OR excluded.scopes IS NULL THEN NULL
+                      ELSE (SELECT array_agg(DISTINCT s ORDER BY s)
+                            FROM unnest(g.scopes || excluded.scopes) AS s) END;
+    IF grant_usage.kind = 'monitor' THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz, boolean), '
+                       || 'idempotency.metrics_by_scope(timestamptz) TO %s',
+                       grant_usage.grantee);
+        RETURN;
+    END IF;
+    EXECUTE format(
+        'GRANT EXECUTE ON FUNCTION %s, %s TO %s', v_common,
+        CASE grant_usage.kind
+            WHEN 'request' THEN
+                'idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz), '
+                || 'idempotency.inbox_accept(text, text, timestamptz)'
+            ELSE
+                'idempotency.takeover(text, text, interval, timestamptz), '
+                || 'idempotency.list_abandoned(integer, text, timestamptz)'
+        END,
+        grant_usage.grantee);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.grant_usage(regrole, text, text[]) IS
+'Let grantee call the functions of one kind of application role, without any privilege on the
+tables. kind request (handlers): claim, inbox_accept; completer (background completers):
+takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
+both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
+canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
+idempotency.grants and re-applied by later migrations. See docs/sql-api.md.';
+
+-- sql/functions/_reapply_grants.sql
+-- Grants every role listed in idempotency.grants the functions of its kind again, as
+-- grant_usage() defines them now, a completer with its scopes: every migration from 0010 on
+-- ends with it (tools/build.py), so a function a migration adds, or drops and makes again, is
+-- executable by the roles of its kind after the upgrade. Roles dropped since are passed over. Returns how many grants it made.
+CREATE OR REPLACE FUNCTION idempotency._reapply_grants()
+RETURNS integer
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_grant record;
+    v_count integer := 0;
+BEGIN
+    FOR v_grant IN
+        SELECT g.grantee, g.kind, g.scopes
+        FROM idempotency.grants AS g
+        INNER JOIN pg_roles AS r ON r.oid = g.grantee
+        ORDER BY r.rolname, g.kind
+    LOOP
+        PERFORM idempotency.grant_usage(v_grant.grantee, v_grant.kind, v_grant.scopes);
+        v_count := v_count + 1;
+    END LOOP;
+    RETURN v_count;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._reapply_grants() IS
+'Internal: grant_usage() again for every role and kind in idempotency.grants (run by every
+migration from 0010 on). Returns the number of grants made.';
+
+-- sql/functions/takeover.sql
+-- For background completers (in any language) that drive abandoned work to an end without the
+-- original request: takes over a key whose lease expired, like a retry would, but without the
+-- fingerprint check. It never inserts, so it needs no key lock and runs at any isolation level
+-- (under REPEATABLE READ a concurrent change makes it fail with 40001 rather than act twice).
+CREATE OR REPLACE FUNCTION idempotency.takeover(
+    scope text,
+    key text,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN takeover.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.takeover', takeover.reference_time) END;
+    v_created_at timestamptz;
+    v_existing idempotency.keys;
+    v_result idempotency.claim_result;
+BEGIN
+    PERFORM idempotency._check_name('idempotency.takeover', 'scope', takeover.scope);
+    PERFORM idempotency._check_name('idempotency.takeover', 'key', takeover.key);
+    PERFORM idempotency._check_lease('idempotency.takeover', 'lease', takeover.lease);
+    -- A completer limited to some scopes (grant_usage(scopes => ...)) is refused any other
+    -- (IK023) before anything is read.
+    PERFORM idempotency._completer_scopes('idempotency.takeover', takeover.scope);
+
+    FOR attempt IN 1 .. 5 LOOP
+        -- The key's one partition, from the directory (see claim).
+        SELECT d.created_at INTO v_created_at
+        FROM idempotency.key_directory AS d
+        WHERE d.scope = takeover.scope
+          AND d.key_hash = sha256(convert_to(takeover.key, 'UTF8'));
+        -- The row, from the one partition created_at names (see _make_routes).
+        v_existing := idempotency._key_row(takeover.scope, takeover.key, v_created_at);
+        -- A released key has no owner to take over from: the next claim() starts it afresh.
+        IF v_existing.scope IS NULL OR v_existing.state = 'released' THEN
+            RAISE EXCEPTION USING
+                MESSAGE = format('idempotency.takeover: key %s in scope %s does not exist',
+                                 to_json(takeover.key), to_json(takeover.scope)),
+                ERRCODE = 'IK003',
+                DETAIL = 'It was never claimed, was released, or is past retention.',
+                HINT = 'Nothing to take over.';
+        END IF;
+        v_result := idempotency._resume_existing(v_existing, takeover.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+    END LOOP;
+    v_result.outcome := 'in_progress';
+    v_result.retry_after := takeover.lease;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.takeover(text, text, interval, timestamptz) IS
+'Take over a key whose lease expired (outcome resumed, with a new token and the recovery point);
+replay when completed, in_progress while the lease is live. Raises IK003 when the key does not
+exist, IK023 when the caller is a completer limited to other scopes.';
+
+-- sql/functions/list_abandoned.sql
+-- Keys whose lease expired while in progress, oldest expiry first. The rows stay locked
+-- (FOR UPDATE SKIP LOCKED) until the caller's transaction ends, so several completers can each
+-- take a disjoint batch and call takeover() on it in the same transaction.
+CREATE OR REPLACE FUNCTION idempotency.list_abandoned(
+    max_keys integer DEFAULT 100,
+    scope text DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS SETOF idempotency.abandoned_key
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz;
+    v_candidate record;
+    v_row idempotency.abandoned_key;
+    v_found integer := 0;
+    v_scopes text[];
+BEGIN
+    IF list_abandoned.max_keys IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK010',
+                                              'must not be NULL');
+    ELSIF list_abandoned.max_keys NOT BETWEEN 1 AND 10000 THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_abandoned', 'max_keys', 'IK014',
+                                              'must be between 1 and 10000',
+                                              format('It is %s.', list_abandoned.max_keys));
+    END IF;
+    IF list_abandoned.scope IS NOT NULL THEN
+        PERFORM idempotency._check_name('idempotency.list_abandoned', 'scope',
+                                        list_abandoned.scope);
+    END IF;
+    -- A completer limited to some scopes (grant_usage(scopes => ...)): IK023 for another
+    -- scope; without scope, only its own are listed. NULL: every scope.
+    v_scopes := idempotency._completer_scopes('idempotency.list_abandoned',
+                                              list_abandoned.scope);
+    v_now := CASE WHEN list_abandoned.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.list_abandoned',
+                                     list_abandoned.reference_time) END;
+
+    -- Candidates first, without locks, then each one locked on its own (SKIP LOCKED): on
+    -- Citus a statement over every shard cannot lock rows, one on a scope's shard can. On one
+    -- node it costs a statement per key, for a call background completers make rarely.
+    FOR v_candidate IN
+        SELECT k.scope, k.key, k.created_at
+        FROM idempotency.keys AS k
+        WHERE k.state = 'in_progress' AND k.lease_expires_at <= v_now
+          AND (list_abandoned.scope IS NULL OR k.scope = list_abandoned.scope)
+          AND (v_scopes IS NULL OR k.scope = ANY (v_scopes))
+        ORDER BY k.lease_expires_at
+        -- Room for keys other completers hold locked, which are skipped.
+        LIMIT list_abandoned.max_keys * 4
+    LOOP
+        SELECT k.scope, k.key, k.lease_expires_at, k.recovery_point, k.attempts, k.created_at
+        INTO v_row
+        FROM idempotency.keys AS k
+        WHERE k.scope = v_candidate.scope AND k.key = v_candidate.key
+          AND k.created_at = v_candidate.created_at
+          AND k.state = 'in_progress' AND k.lease_expires_at <= v_now
+        FOR UPDATE OF k SKIP LOCKED;
+        IF FOUND THEN
+            RETURN NEXT v_row;
+            v_found := v_found + 1;
+            EXIT WHEN v_found >= list_abandoned.max_keys;
+        END IF;
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.list_abandoned(integer, text, timestamptz) IS
+'Up to max_keys in-progress keys whose lease expired (optionally of one scope; for a completer
+limited to some scopes, of those only, IK023 for another), oldest expiry first, locked FOR
+UPDATE SKIP LOCKED until the end of the caller''s transaction.';
+
+-- list_keys(older_than): at most 1000 years (IK014), never 22008 from inside.
+-- sql/functions/list_keys.sql
+-- For operators (pg-idempotency keys list): stored keys by scope, state, age and lease, oldest
+-- first, never with their bodies or lease tokens. The schema owner's alone, as inspect_key().
+-- It reads every partition of idempotency.keys (no index serves state or age; see
+-- sql/tables/keys.sql), so it is for an investigation, not for a scraper (that is metrics()).
+CREATE OR REPLACE FUNCTION idempotency.list_keys(
+    scope text DEFAULT NULL,
+    state text DEFAULT NULL,
+    older_than interval DEFAULT NULL,
+    expired_leases boolean DEFAULT false,
+    max_keys integer DEFAULT 100
+)
+RETURNS SETOF idempotency.key_info
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+BEGIN
+    IF list_keys.scope IS NOT NULL THEN
+        PERFORM idempotency._check_name('idempotency.list_keys', 'scope', list_keys.scope);
+    END IF;
+    IF list_keys.state IS NOT NULL
+       AND list_keys.state NOT IN ('in_progress', 'completed', 'released') THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.list_keys', 'state', 'IK014',
+            'must be ''in_progress'', ''completed'' or ''released''',
+            format('It is %s.', to_json(list_keys.state)));
+    END IF;
+    -- Bounded above too: now - older_than must stay a time (300000 years raised 22008 from
+    -- inside), and no key is older than 1000 years. An infinite interval (PostgreSQL 17 on) is
+    -- above it.
+    IF list_keys.older_than NOT BETWEEN interval '0' AND interval '1000 years' THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'older_than', 'IK014',
+                                              'must be between 0 and 1000 years',
+                                              format('It is %s.', list_keys.older_than));
+    END IF;
+    IF list_keys.expired_leases IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'expired_leases',
+                                              'IK010', 'must not be NULL');
+    ELSIF list_keys.max_keys IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'max_keys', 'IK010',
+                                              'must not be NULL');
+    ELSIF list_keys.max_keys NOT BETWEEN 1 AND 10000 THEN
+        PERFORM idempotency._invalid_argument('idempotency.list_keys', 'max_keys', 'IK014',
+                                              'must be between 1 and 10000',
+                                              format('It is %s.', list_keys.max_keys));
+    END IF;
+    RETURN QUERY
+    SELECT k.scope, k.key, k.state, k.lease_expires_at,
+           k.state = 'in_progress' AND k.lease_expires_at <= v_now,
+           k.recovery_point, k.attempts, k.response_status, k.response_content_type,
+           k.response_headers,
+           coalesce(octet_length(k.response_body::text), octet_length(k.response_body_bytes)),
+           NULL::jsonb, NULL::bytea, k.created_at, k.completed_at, k.tableoid::regclass::text
+    FROM idempotency.keys AS k
+    WHERE (list_keys.scope IS NULL OR k.scope = list_keys.scope)
+      AND (list_keys.state IS NULL OR k.state = list_keys.state)
+      AND (list_keys.older_than IS NULL OR k.created_at <= v_now - list_keys.older_than)
+      AND (NOT list_keys.expired_leases
+           OR (k.state = 'in_progress' AND k.lease_expires_at <= v_now))
+    ORDER BY k.created_at, k.scope, k.key
+    LIMIT list_keys.max_keys;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.list_keys(text, text, interval, boolean, integer) IS
+'Stored keys for an operator, oldest first, without bodies or tokens: filter by scope, state
+(in_progress, completed, released), older_than (age, 0 to 1000 years), expired_leases; at most
+max_keys (1-10000). Reads every partition. Schema owner only. See docs/operations.md.';
+
+-- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
+-- in the partition of now, so every key state costs the same statements.
+-- sql/functions/_lease_error.sql
+-- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
+-- raises the documented error. Raising, not returning false, is the point: the caller's
+-- business writes in the same transaction must roll back with it.
+--
+-- No oracle: unless the caller's token is the key's own, the answer is IK001 with the same text
+-- whether the key is in progress under another token, completed, released or absent. So a
+-- caller that knows (or guesses) another scope's key learns nothing about it from a wrong
+-- token (before 0.9.0, IK003 / IK001 / IK004 told absent, in progress and completed apart).
+-- Only the owner, whose token matches, is told that its key is already completed (IK004).
+--
+-- No timing oracle either: the callers (heartbeat, checkpoint, release, accept, complete,
+-- complete_bytes) and this function send a key missing from key_directory to the partition of
+-- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
+-- absent, in progress, completed or released. What remains is measured in
+-- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
+CREATE OR REPLACE FUNCTION idempotency._lease_error(
+    fn text, scope text, key text, lease_token bigint
+)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_created_at timestamptz;
+BEGIN
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = _lease_error.scope
+      AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
+    -- A key not in the directory is looked for in the partition of now, so that the lookup
+    -- below probes a partition whatever the key's state (see the header).
+    v_created_at := coalesce(v_created_at, clock_timestamp());
+    PERFORM
+    FROM idempotency.keys AS k
+    WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key
+      AND k.created_at = v_created_at AND k.lease_token = _lease_error.lease_token
+      AND k.state = 'completed';
+    IF FOUND THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: key %s in scope %s is already completed', _lease_error.fn,
+                             to_json(_lease_error.key), to_json(_lease_error.scope)),
+            ERRCODE = 'IK004',
+            DETAIL = 'It was completed with this lease token.',
+            HINT = 'Roll back; a retry will replay the stored response.';
+    END IF;
+    RAISE EXCEPTION USING
+        MESSAGE = format('%s: lease token %s is not the current one for key %s in scope %s',
+                         _lease_error.fn, _lease_error.lease_token,
+                         to_json(_lease_error.key), to_json(_lease_error.scope)),
+        ERRCODE = 'IK001',
+        DETAIL = 'The lease was lost (taken over after it expired, or released), or the key or '
+                 'the token is not one this caller was given.',
+        HINT = 'Roll back: whoever holds the current token owns the key.';
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._lease_error(text, text, text, bigint) IS
+'Internal: raise IK004 (completed with this token) or IK001 (any other case, the same for every
+key state) for a fenced write that matched no row.';
+
+-- sql/functions/heartbeat.sql
+-- Keeps a lease alive during long work. The token, not the clock, decides ownership: a holder
+-- whose lease ran out but was not taken over yet may still heartbeat and carry on.
+CREATE OR REPLACE FUNCTION idempotency.heartbeat(
+    scope text,
+    key text,
+    lease_token bigint,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN heartbeat.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.heartbeat', heartbeat.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(heartbeat.scope) AND idempotency._name_ok(heartbeat.key)
+                    AND heartbeat.lease_token IS NOT NULL
+                    AND idempotency._lease_ok(heartbeat.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'scope', heartbeat.scope);
+        PERFORM idempotency._check_name('idempotency.heartbeat', 'key', heartbeat.key);
+        IF heartbeat.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.heartbeat', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_lease('idempotency.heartbeat', 'lease', heartbeat.lease);
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = heartbeat.scope AND d.key_hash = sha256(convert_to(heartbeat.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, v_now);
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    v_expires := idempotency._heartbeat_row(heartbeat.scope, heartbeat.key,
+                                            heartbeat.lease_token, v_created_at,
+                                            v_now + heartbeat.lease);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.heartbeat', heartbeat.scope,
+                                         heartbeat.key, heartbeat.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.heartbeat(text, text, bigint, interval, timestamptz) IS
+'Extend the lease of a key you hold to at least now + lease; returns the new expiry. Raises
+IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/checkpoint.sql
+-- Records how far the operation got, in the caller's transaction: the step's own writes and the
+-- recovery point commit together or not at all, so a worker that takes the key over after a
+-- crash sees exactly the steps whose effects are durable. Fenced: a stale token raises.
+CREATE OR REPLACE FUNCTION idempotency.checkpoint(
+    scope text,
+    key text,
+    lease_token bigint,
+    recovery_point text,
+    extend interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN checkpoint.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.checkpoint', checkpoint.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(checkpoint.scope)
+                    AND idempotency._name_ok(checkpoint.key)
+                    AND checkpoint.lease_token IS NOT NULL
+                    AND idempotency._name_ok(checkpoint.recovery_point)
+                    AND (checkpoint.extend IS NULL
+                         OR idempotency._lease_ok(checkpoint.extend)), false) THEN
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'scope', checkpoint.scope);
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'key', checkpoint.key);
+        IF checkpoint.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.checkpoint', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_name('idempotency.checkpoint', 'recovery_point',
+                                        checkpoint.recovery_point);
+        IF checkpoint.extend IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.checkpoint', 'extend',
+                                             checkpoint.extend);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = checkpoint.scope AND d.key_hash = sha256(convert_to(checkpoint.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, v_now);
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no extend) keeps the lease as it is.
+    v_expires := idempotency._checkpoint_row(checkpoint.scope, checkpoint.key,
+                                             checkpoint.lease_token, v_created_at,
+                                             checkpoint.recovery_point,
+                                             v_now + checkpoint.extend);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.checkpoint', checkpoint.scope,
+                                         checkpoint.key, checkpoint.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.checkpoint(text, text, bigint, text, interval, timestamptz) IS
+'Record recovery_point for a key you hold (in your transaction, with that step''s writes),
+optionally extending the lease to at least now + extend. Returns the lease expiry. Raises IK001
+(not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/release.sql
+-- For a failure before any side effect: the key is forgotten, and the next retry runs afresh
+-- (even with a different request). After a side effect, do not release: leave the lease to
+-- expire so the next attempt resumes from the recovery point.
+-- The row stays, in state released, until the next claim of the key replaces it (or maintain()
+-- drops it with its partition): the next owner's token is made greater than this one's.
+CREATE OR REPLACE FUNCTION idempotency.release(scope text, key text, lease_token bigint)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_created_at timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(release.scope) AND idempotency._name_ok(release.key)
+                    AND release.lease_token IS NOT NULL, false) THEN
+        PERFORM idempotency._check_name('idempotency.release', 'scope', release.scope);
+        PERFORM idempotency._check_name('idempotency.release', 'key', release.key);
+        IF release.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.release', 'lease_token', 'IK010',
+                                                  'must not be NULL');
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = release.scope AND d.key_hash = sha256(convert_to(release.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, clock_timestamp());
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    IF idempotency._release_row(release.scope, release.key, release.lease_token,
+                                v_created_at) IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.release', release.scope, release.key,
+                                         release.lease_token);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
+'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
+Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

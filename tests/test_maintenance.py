@@ -39,7 +39,10 @@ def day_start(conn: psycopg.Connection[Any], days: int) -> datetime:
 
 
 def old_partition_with_a_key(conn: psycopg.Connection[Any], days_ago: int, key: str) -> str:
-    """Make the keys and inbox partitions of a past day, with one completed key in keys."""
+    """Make the keys and inbox partitions of a past day, with one completed key in keys, and
+    claim a key today (``<key>-today``): the partition holding the newest keys is never
+    dropped (since 0.11.0), so the old one goes only when newer keys exist."""
+    conn.execute("SELECT idempotency.claim('mt', %s, '{}')", (f"{key}-today",))
     lo = day_start(conn, -days_ago)
     for parent in ("keys", "inbox"):
         conn.execute("SELECT idempotency._create_partition(%s, %s, %s)",

@@ -33,6 +33,10 @@ DECLARE
     v_parent text;
     v_window interval;
     v_newest timestamptz;
+    v_keep_from timestamptz;
+    v_cutoff timestamptz;
+    v_column text;
+    v_found boolean;
     v_part record;
     v_count bigint;
     v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
@@ -45,6 +49,11 @@ BEGIN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
                                               'must not be NULL');
     END IF;
+    -- 'infinity' dropped every partition holding keys, 294276-12-31 raised 22008 from the
+    -- partition arithmetic, 1960-01-01 made partitions for 1960: the range every reference_time
+    -- has (see _check_time).
+    PERFORM idempotency._check_time('idempotency.maintain', 'reference_time',
+                                    _maintain.reference_time);
     -- Two runs at once would only wait for each other's locks: the second one leaves at once.
     -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
     IF NOT pg_try_advisory_xact_lock(3, 0) THEN
@@ -73,11 +82,43 @@ BEGIN
         END IF;
         v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
                                   ELSE v_settings.retention END;
+        v_column := CASE v_parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END;
+
+        -- The rows of the newest interval that holds any are never dropped or deleted, however
+        -- far ahead reference_time is, so that no argument empties the table (a reference_time
+        -- in 9998 dropped every key, and every retry after it executed again). v_keep_from is
+        -- the start of that interval: the newest ranged partition with a row, or the
+        -- partition_interval bucket of the default partition's newest row when that is newer.
+        -- The cost: a system that took no new row for longer than the window keeps its last
+        -- interval's rows until newer ones come (docs/maintenance.md).
+        v_keep_from := NULL;
+        IF v_window IS NOT NULL THEN
+            FOR v_part IN
+                SELECT p.partition_name, p.lower_bound FROM idempotency._partitions(v_parent) AS p
+                WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
+                ORDER BY p.lower_bound DESC
+            LOOP
+                EXECUTE format('SELECT EXISTS (SELECT FROM idempotency.%I)',
+                               v_part.partition_name)
+                INTO v_found;
+                IF v_found THEN
+                    v_keep_from := v_part.lower_bound;
+                    EXIT;
+                END IF;
+            END LOOP;
+            EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
+                           v_column, v_parent || '_default')
+            INTO v_newest
+            USING v_settings.partition_interval, timestamptz '2000-01-01 00:00:00+00';
+            v_keep_from := greatest(v_keep_from, v_newest);
+        END IF;
+        -- Rows (and partitions wholly) before v_cutoff go.
+        v_cutoff := least(_maintain.reference_time - v_window, v_keep_from);
 
         -- Rows of the default partition past their retention: no partition to drop, so delete.
         IF v_parent = 'keys' AND v_settings.tombstones THEN
             v_count := idempotency._write_tombstones(
-                'keys_default', _maintain.reference_time - v_window,
+                'keys_default', v_cutoff,
                 v_settings.tombstone_retention, _maintain.reference_time);
             IF v_count > 0 THEN
                 v_step := ROW('tombstoned', v_parent, 'keys_default', NULL::timestamptz,
@@ -90,15 +131,15 @@ BEGIN
         v_forgotten := v_forgotten + idempotency._drop_directory_rows(
             v_parent, v_parent || '_default',
             CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
-                 THEN 'infinity' ELSE _maintain.reference_time - v_window END);
+                 THEN 'infinity' ELSE v_cutoff END);
         IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
             -- Tombstones off: an expired key is a new request, so forget them all.
             v_window := NULL;
             DELETE FROM idempotency.tombstones_default;
         ELSE
             EXECUTE format('DELETE FROM idempotency.%I WHERE %I < $1', v_parent || '_default',
-                           CASE v_parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END)
-            USING _maintain.reference_time - v_window;
+                           v_column)
+            USING v_cutoff;
         END IF;
         GET DIAGNOSTICS v_count = ROW_COUNT;
         IF v_count > 0 THEN
@@ -119,7 +160,7 @@ BEGIN
             SELECT p.partition_name, p.lower_bound, p.upper_bound
             FROM idempotency._partitions(v_parent) AS p
             WHERE NOT p.is_default
-              AND (v_window IS NULL OR p.upper_bound + v_window <= _maintain.reference_time)
+              AND (v_window IS NULL OR p.upper_bound <= _maintain.reference_time - v_window)
             ORDER BY p.lower_bound
         LOOP
             IF v_window IS NOT NULL AND v_part.upper_bound = v_newest THEN
@@ -127,6 +168,14 @@ BEGIN
                 v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
                               v_part.upper_bound, NULL::bigint,
                               'the newest partition is never dropped');
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            IF v_window IS NOT NULL AND v_part.upper_bound > v_cutoff THEN
+                -- Nor the one holding the newest rows, nor any after it (see v_keep_from).
+                v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, NULL::bigint,
+                              'never dropped: it holds the newest rows, or comes after them');
                 RETURN NEXT v_step;
                 CONTINUE;
             END IF;

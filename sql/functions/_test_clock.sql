@@ -37,14 +37,8 @@ BEGIN
                    'clock: leave it NULL and the engine uses clock_timestamp().',
                    to_json(v_invoker)));
     END IF;
-    IF NOT isfinite(_test_clock.reference_time)
-       OR _test_clock.reference_time < timestamptz '1970-01-01 00:00:00+00'
-       OR _test_clock.reference_time >= timestamptz '9999-01-01 00:00:00+00' THEN
-        PERFORM idempotency._invalid_argument(
-            _test_clock.fn, 'reference_time', 'IK014',
-            'must be a finite time from 1970 to 9998',
-            format('It is %s.', _test_clock.reference_time));
-    END IF;
+    PERFORM idempotency._check_time(_test_clock.fn, 'reference_time',
+                                    _test_clock.reference_time);
     RETURN _test_clock.reference_time;
 END;
 $$;

@@ -36,11 +36,22 @@ DECLARE
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    -- Sizes first, as in complete().
     IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
                     AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
+                    AND (accept.body IS NULL OR pg_column_size(accept.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
                     AND idempotency._headers_ok(v_headers)
                     AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
                     false) THEN
+        IF pg_column_size(accept.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'body',
+                                            pg_column_size(accept.body), 'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
         PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
                                             accept.lease_token, accept.status, v_headers);
         IF accept.lease IS NOT NULL THEN

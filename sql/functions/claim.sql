@@ -65,6 +65,12 @@ BEGIN
             'idempotency.claim', 'request', 'IK010', 'must not be NULL',
             'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
     ELSE
+        -- The size first, before canonicalizing (see _check_size; the settings row is read
+        -- only above 64 KiB, the smallest limit allowed).
+        IF pg_column_size(claim.request) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.claim', 'request',
+                                            pg_column_size(claim.request), 'max_request_bytes');
+        END IF;
         -- fingerprint(request) without its defaults/fields handling, saving a call.
         v_fingerprint := sha256(convert_to(
             idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),

@@ -28,9 +28,22 @@ DECLARE
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    -- The sizes come first (before the headers' jsonpath test reads them): above the smallest
+    -- limits allowed (64 KiB, 4 KiB) the settings decide (_check_size), before anything is
+    -- stored.
     IF NOT coalesce(idempotency._name_ok(complete.scope) AND idempotency._name_ok(complete.key)
                     AND complete.lease_token IS NOT NULL AND complete.status BETWEEN 100 AND 599
+                    AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
                     AND idempotency._headers_ok(v_headers), false) THEN
+        IF pg_column_size(complete.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'body',
+                                            pg_column_size(complete.body), 'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,
                                             complete.key, complete.lease_token,
                                             complete.status, v_headers);

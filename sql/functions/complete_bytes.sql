@@ -27,12 +27,24 @@ BEGIN
         PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                         complete_bytes.content_type);
     END IF;
-    -- The other arguments as in complete().
+    -- The other arguments as in complete(), sizes first.
     IF NOT coalesce(idempotency._name_ok(complete_bytes.scope)
                     AND idempotency._name_ok(complete_bytes.key)
                     AND complete_bytes.lease_token IS NOT NULL
                     AND complete_bytes.status BETWEEN 100 AND 599
+                    AND (complete_bytes.body IS NULL
+                         OR octet_length(complete_bytes.body) <= 65536)
+                    AND pg_column_size(v_headers) <= 4096
                     AND idempotency._headers_ok(v_headers), false) THEN
+        IF octet_length(complete_bytes.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'body',
+                                            octet_length(complete_bytes.body),
+                                            'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
+                                            pg_column_size(v_headers), 'max_headers_bytes');
+        END IF;
         PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,
                                             complete_bytes.key, complete_bytes.lease_token,
                                             complete_bytes.status, v_headers);

@@ -6,6 +6,8 @@
 --                                        they are created with colocate_with => 'idempotency.keys'
 --   inbox                                distributed by consumer, in the same co-location group
 --   settings, migrations                 reference tables (a copy on every node)
+--   completer_grants                     reference table, read by takeover/list_abandoned on
+--                                        the node the call runs on
 --   grants, maintenance_runs             left on the coordinator, as plain local tables: grants
 --                                        holds regrole OIDs, which are the coordinator's own
 --                                        (each node numbers its roles itself), and is read only
@@ -71,7 +73,8 @@ BEGIN
         SELECT t.name, t.column_name, t.ord
         FROM (VALUES ('keys', 'scope', 1), ('key_directory', 'scope', 2),
                      ('tombstones', 'scope', 3), ('inbox', 'consumer', 4),
-                     ('settings', NULL, 5), ('migrations', NULL, 6))
+                     ('settings', NULL, 5), ('migrations', NULL, 6),
+                     ('completer_grants', NULL, 7))
              AS t (name, column_name, ord)
         ORDER BY t.ord
     LOOP
@@ -162,6 +165,6 @@ $$;
 
 COMMENT ON FUNCTION idempotency.distribute(integer) IS
 'Citus: distribute keys, key_directory and tombstones by scope and inbox by consumer (co-located;
-shard_count optional), settings and migrations as reference tables, and delegate every per-key
-function to the node that holds its scope. Run on the coordinator after the migrations; running it
+shard_count optional), settings, migrations and completer_grants as reference tables, and
+delegate every per-key function to the node that holds its scope. Run on the coordinator after the migrations; running it
 again changes only what is new. Raises IK021 without Citus. See docs/scale-out.md.';

@@ -21,6 +21,16 @@ BEGIN
         PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
                                               'must not be NULL');
     END IF;
+    -- Sizes before any work on them (see _check_size).
+    IF pg_column_size(v_request) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
+                                        pg_column_size(v_request), 'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.defaults) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
+                                        pg_column_size(fingerprint.defaults),
+                                        'max_request_bytes');
+    END IF;
     IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
         IF jsonb_typeof(v_request) <> 'object' THEN
             PERFORM idempotency._invalid_argument(

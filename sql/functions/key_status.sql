@@ -12,6 +12,11 @@ AS $$
 DECLARE
     v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
 BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.key_status');
+    IF key_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.key_status', 'reference_time',
+                                        key_status.reference_time);
+    END IF;
     -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
     -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
     RETURN QUERY

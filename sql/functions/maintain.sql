@@ -20,6 +20,7 @@ DECLARE
     v_whole_run_skipped boolean := false;
     v_id bigint;
 BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.maintain');
     FOR v_step IN SELECT * FROM idempotency._maintain(maintain.reference_time) LOOP
         CASE v_step.action
             WHEN 'created' THEN

@@ -38,11 +38,13 @@ DECLARE
     v_run idempotency.maintenance_runs;
     v_count bigint;
 BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.metrics');
     SELECT s.* INTO v_settings FROM idempotency.settings AS s;
     IF NOT FOUND THEN
         -- Before the first _premake() or maintain(): the defaults apply.
         v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
-                          interval '30 days', true, interval '200 milliseconds');
+                          interval '30 days', true, interval '200 milliseconds', 1048576,
+                          1048576, 16384);
     END IF;
 
     IF metrics.scan IS NULL THEN

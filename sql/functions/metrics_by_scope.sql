@@ -13,6 +13,7 @@ DECLARE
         ELSE idempotency._test_clock('idempotency.metrics_by_scope',
                                      metrics_by_scope.reference_time) END;
 BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.metrics_by_scope');
     RETURN QUERY
     SELECT k.scope,
            count(*) FILTER (WHERE k.state = 'in_progress'),

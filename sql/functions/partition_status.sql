@@ -16,11 +16,17 @@ DECLARE
     v_part record;
     v_row idempotency.partition_status;
 BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.partition_status');
+    IF partition_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.partition_status', 'reference_time',
+                                        partition_status.reference_time);
+    END IF;
     SELECT s.* INTO v_settings FROM idempotency.settings AS s;
     IF NOT FOUND THEN
         -- Before the first _premake() or maintain(): the defaults apply.
         v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
-                          interval '30 days', true, interval '200 milliseconds');
+                          interval '30 days', true, interval '200 milliseconds', 1048576,
+                          1048576, 16384);
     END IF;
     FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
         v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention

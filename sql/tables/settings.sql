@@ -32,12 +32,27 @@ CREATE TABLE idempotency.settings (
         AND maintenance_lock_timeout <= interval '1 minute'
     ),
     -- Tombstones outlive the keys they stand for, or there would be no window for them.
-    CONSTRAINT settings_tombstones_outlive_keys CHECK (tombstone_retention > retention)
+    CONSTRAINT settings_tombstones_outlive_keys CHECK (tombstone_retention > retention),
+    -- The columns below came with migration 0011 (size limits, refused with IK018 before
+    -- anything is canonicalized or stored; see _check_size). Bytes as the server holds the
+    -- value: pg_column_size of a jsonb, octet_length of a bytea. The floors (64 KiB, 4 KiB) are
+    -- what keeps this row off the hot path: a function reads it only for an argument above
+    -- them.
+    -- claim(request), fingerprint(request, defaults), canonical_json(value).
+    max_request_bytes integer NOT NULL DEFAULT 1048576
+    CHECK (max_request_bytes BETWEEN 65536 AND 1073741824),
+    -- The body given to complete, complete_bytes and accept (JSON or bytes).
+    max_response_bytes integer NOT NULL DEFAULT 1048576
+    CHECK (max_response_bytes BETWEEN 65536 AND 1073741824),
+    -- The headers given to complete, complete_bytes and accept.
+    max_headers_bytes integer NOT NULL DEFAULT 16384
+    CHECK (max_headers_bytes BETWEEN 4096 AND 1048576)
 );
 
 COMMENT ON TABLE idempotency.settings IS
 'pg_idempotency settings (exactly one row): partition_interval, retention, premake, tombstones,
-tombstone_retention, manage_partitions, maintenance_lock_timeout.';
+tombstone_retention, manage_partitions, maintenance_lock_timeout, max_request_bytes,
+max_response_bytes, max_headers_bytes.';
 
 -- The row is not inserted here but by the first idempotency._premake() (sql/bootstrap.sql runs
 -- it at install). Inside CREATE EXTENSION a row made by the script could never be dumped: the

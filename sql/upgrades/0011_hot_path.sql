@@ -30,6 +30,38 @@ DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );
 
+-- Size limits (issue 34 "Bounds"): settings.max_request_bytes, max_response_bytes and
+-- max_headers_bytes, refused with IK018 before anything is canonicalized or stored.
+ALTER TABLE idempotency.settings
+ADD COLUMN max_request_bytes integer NOT NULL DEFAULT 1048576
+CHECK (max_request_bytes BETWEEN 65536 AND 1073741824),
+ADD COLUMN max_response_bytes integer NOT NULL DEFAULT 1048576
+CHECK (max_response_bytes BETWEEN 65536 AND 1073741824),
+ADD COLUMN max_headers_bytes integer NOT NULL DEFAULT 16384
+CHECK (max_headers_bytes BETWEEN 4096 AND 1048576);
+COMMENT ON TABLE idempotency.settings IS
+'pg_idempotency settings (exactly one row): partition_interval, retention, premake, tombstones,
+tombstone_retention, manage_partitions, maintenance_lock_timeout, max_request_bytes,
+max_response_bytes, max_headers_bytes.';
+-- @include functions/_check_size.sql
+-- @replace functions/claim.sql
+-- @replace functions/accept.sql
+-- @replace functions/fingerprint.sql
+-- @replace functions/canonical_json.sql
+-- @replace functions/metrics.sql
+-- @replace functions/partition_status.sql
+
+-- Time arguments checked against one range (IK014, never 22008 from inside), and maintain()
+-- never drops or deletes the newest interval holding rows, so no reference_time empties a
+-- table. The functions only the coordinator serves answer IK022 on a Citus worker.
+-- @include functions/_check_time.sql
+-- @include functions/_require_coordinator.sql
+-- @replace functions/_test_clock.sql
+-- @replace functions/_maintain.sql
+-- @replace functions/maintain.sql
+-- @replace functions/key_status.sql
+-- @replace functions/metrics_by_scope.sql
+
 -- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
 -- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
 -- which takeover() and list_abandoned() check (_completer_scopes, IK023). The roles granted

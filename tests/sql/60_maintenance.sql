@@ -6,7 +6,7 @@
 -- daily partitions, retention 24 hours, 3 partitions ahead.
 BEGIN;
 
-SELECT plan(49);
+SELECT plan(51);
 
 -- d(n): the start (00:00 UTC) of the n-th day after the day of install.
 CREATE FUNCTION pg_temp.d(n integer)
@@ -115,6 +115,12 @@ SELECT is(
 
 -- Maintenance past the retention ------------------------------------------------------------------
 
+-- Since 0.11.0 the partition holding the newest keys is never dropped (no reference_time can
+-- empty the table): a key of day 1 lets day 0 go.
+SELECT lives_ok(
+    $$SELECT pg_temp.done('d1', pg_temp.d(1) + interval '12 hours')$$,
+    'a key claimed and completed on day 1 at noon'
+);
 SELECT lives_ok(
     $$SELECT pg_temp.run(pg_temp.d(2))$$,
     'maintain() at the start of day 2 (day 0 end + retention) runs'
@@ -182,6 +188,10 @@ SELECT is(
 
 -- The newest partition --------------------------------------------------------------------------
 
+SELECT is(
+    pg_temp.outcome('d400', pg_temp.d(400)), 'claimed',
+    'a key claimed on day 400 (in keys_default: no partition for that day yet)'
+);
 SELECT lives_ok(
     $$SELECT pg_temp.run(pg_temp.d(400))$$,
     'maintain() 400 days later runs'

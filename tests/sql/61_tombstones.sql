@@ -6,7 +6,7 @@
 -- tombstone_retention 10 days.
 BEGIN;
 
-SELECT plan(24);
+SELECT plan(25);
 
 CREATE FUNCTION pg_temp.d(n integer)
 RETURNS timestamptz
@@ -63,6 +63,13 @@ SELECT is(
     (pg_temp.claim('open', '{"amount": 7}', pg_temp.d(0) + interval '13 hours')).outcome,
     'claimed',
     'day 0: key open claimed, never completed'
+);
+
+-- Day 1: a newer key, so that day 0 is not the partition holding the newest keys (never
+-- dropped since 0.11.0).
+SELECT is(
+    (pg_temp.claim('later', '{}', pg_temp.d(1) + interval '12 hours')).outcome, 'claimed',
+    'day 1: key later claimed'
 );
 
 SELECT lives_ok($$SELECT pg_temp.run(pg_temp.d(2))$$, 'maintain() on day 2 runs');

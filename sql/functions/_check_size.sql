@@ -1,0 +1,49 @@
+-- Refuses an argument larger than its limit in idempotency.settings (max_request_bytes,
+-- max_response_bytes or max_headers_bytes) with IK018, before anything canonicalizes, hashes or
+-- stores it: a 200 MB JSON response once took 42 s and 1.4 GB of one backend's memory, and
+-- 300 MB failed with 54000 deep inside the engine.
+--
+-- The callers measure the datum as the server holds it (pg_column_size of a jsonb,
+-- octet_length of a bytea: both read its header only) and call this only when the size is above
+-- the smallest limit the settings allow (65536 bytes for bodies, 4096 for headers, the CHECKs on
+-- idempotency.settings): the settings row stays off the hot path for every ordinary call.
+CREATE FUNCTION idempotency._check_size(fn text, argument text, size integer, setting text)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    SELECT CASE _check_size.setting
+               WHEN 'max_request_bytes' THEN s.max_request_bytes
+               WHEN 'max_response_bytes' THEN s.max_response_bytes
+               WHEN 'max_headers_bytes' THEN s.max_headers_bytes
+           END
+    INTO v_limit
+    FROM idempotency.settings AS s;
+    IF v_limit IS NULL THEN
+        -- No settings row yet (it is made by the first _premake() or maintain()): the
+        -- defaults of sql/tables/settings.sql.
+        v_limit := CASE _check_size.setting WHEN 'max_headers_bytes' THEN 16384
+                                            ELSE 1048576 END;
+    END IF;
+    IF _check_size.size > v_limit THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: argument "%s" is too large', _check_size.fn,
+                             _check_size.argument),
+            ERRCODE = 'IK018',
+            COLUMN = _check_size.argument,
+            DETAIL = format('It is %s bytes; the limit (settings.%s) is %s bytes.',
+                            _check_size.size, _check_size.setting, v_limit),
+            HINT = format('Nothing was written. Send a smaller value, or have the schema owner '
+                          'raise settings.%s (docs/maintenance.md). See docs/errors.md.',
+                          _check_size.setting);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text) IS
+'Internal: raise IK018 when size (bytes) exceeds the limit in idempotency.settings named by
+setting (max_request_bytes, max_response_bytes or max_headers_bytes).';
