@@ -7,6 +7,7 @@ states, the gauges read in SQL, then scraped through Debian's prometheus-postgre
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -210,7 +211,12 @@ def test_the_postgres_exporter_scrapes_our_metrics(
             assert one(s, "pg_idempotency_total_bytes") > 0
             assert one(s, "pg_idempotency_maintain_last_run_age_seconds",
                        'outcome="never"') == float("inf")
-            assert one(s, "pg_idempotency_scope_keys_in_progress", f'scope="{SCOPE}"') == 2
+            # Per scope, hashed: the first 12 hex digits of sha256(scope), never the scope.
+            scope_hash = hashlib.sha256(SCOPE.encode()).hexdigest()[:12]
+            assert one(s, "pg_idempotency_scope_keys_in_progress",
+                       f'scope_hash="{scope_hash}"') == 2
+            raw = urllib.request.urlopen(url, timeout=30).read().decode()
+            assert f'"{SCOPE}"' not in raw and "scope=" not in raw
 
         # The metrics move: a completer takes the expired key over and finishes it, the live
         # one completes, maintain() runs. A new exporter process: the scan-based queries are
@@ -322,7 +328,7 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 def test_alert_rules_pass_promtool_and_a_wrong_expectation_fails(tmp_path: Path) -> None:
     checked = promtool("check", "rules", "alerts.yml", cwd=MONITORING)
     assert checked.returncode == 0, checked.stdout + checked.stderr
-    assert "SUCCESS: 5 rules found" in checked.stdout
+    assert "SUCCESS: 9 rules found" in checked.stdout
     passed = promtool("test", "rules", "alerts_test.yml", cwd=MONITORING)
     assert passed.returncode == 0, passed.stdout + passed.stderr
     assert "SUCCESS" in passed.stdout
@@ -337,3 +343,73 @@ def test_alert_rules_pass_promtool_and_a_wrong_expectation_fails(tmp_path: Path)
     failed = promtool("test", "rules", "alerts_test.yml", cwd=tmp_path)
     assert failed.returncode != 0
     assert "IdempotencyKeysStuckInProgress" in failed.stdout + failed.stderr
+
+
+def test_without_the_monitor_grant_the_series_vanish_and_an_alert_fires(
+    server: PgServer, db: str, tmp_path: Path
+) -> None:
+    """Issue 34: an exporter connected as a role without the monitor grant stays up (pg_up 1)
+    while every pg_idempotency_* series vanishes. What the real exporter exports then is fed to
+    promtool with monitoring/alerts.yml: IdempotencyMetricsAbsent and
+    IdempotencyExporterScrapeErrors fire, and do not for the same exporter with the grant."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.maintain()")  # no maintain alert
+    with login_roles(server, db, "request") as (role,):
+        dsn = db.replace("postgres@", f"{role}@", 1) + "?sslmode=disable"
+        with exporter(dsn, tmp_path) as url:
+            blind = scrape_all(url)
+        with psycopg.connect(db, autocommit=True) as conn:
+            conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'monitor')",
+                         (role,))
+        with exporter(dsn, tmp_path) as url:
+            seeing = scrape_all(url)
+    assert blind["pg_up"] == 1
+    assert not [name for name in blind if name.startswith("pg_idempotency")], blind
+    assert blind["pg_exporter_last_scrape_error"] == 1
+    assert seeing["pg_up"] == 1 and seeing["pg_exporter_last_scrape_error"] == 0
+    assert seeing["pg_idempotency_keys_total_estimate"] == 0
+
+    fired = {}
+    for name, samples in (("blind", blind), ("seeing", seeing)):
+        fired[name] = alerts_at(samples, tmp_path / name, "21m")
+    assert fired["blind"] == {"IdempotencyMetricsAbsent", "IdempotencyExporterScrapeErrors"}
+    assert fired["seeing"] == set()
+
+
+def scrape_all(url: str) -> dict[str, float]:
+    """Every unlabelled sample of a scrape, and our labelled ones by name (one each here)."""
+    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    out: dict[str, float] = {}
+    for name, _labels, value in re.findall(r"^(\w+)(\{[^}]*\})? (\S+)$", text, re.M):
+        if name.startswith(("pg_up", "pg_exporter_", "pg_idempotency")):
+            out[name] = float(value)
+    return out
+
+
+ALERTS = ("IdempotencyKeysStuckInProgress", "IdempotencyExpiredLeasesPilingUp",
+          "IdempotencyMaintainNotRunning", "IdempotencyMaintainPartial",
+          "IdempotencyPartitionsNotPremade", "IdempotencyMetricsAbsent",
+          "IdempotencyExporterScrapeErrors", "IdempotencyDatabaseUnreachable",
+          "IdempotencyExporterAbsent")
+
+
+def alerts_at(samples: dict[str, float], workdir: Path, eval_time: str) -> set[str]:
+    """The alerts of monitoring/alerts.yml firing at eval_time when every scrape gives these
+    samples: one promtool test per alert expecting it silent; the ones whose test fails fire."""
+    workdir.mkdir()
+    shutil.copy(MONITORING / "alerts.yml", workdir / "alerts.yml")
+    series = "".join(
+        f"      - series: '{name}{{job=\"pg\",instance=\"db\"}}'\n"
+        f"        values: '{value:g}x40'\n" for name, value in samples.items())
+    firing = set()
+    for alert in ALERTS:
+        (workdir / "t.yml").write_text(
+            "rule_files:\n  - alerts.yml\nevaluation_interval: 1m\ntests:\n"
+            "  - interval: 1m\n    input_series:\n" + series
+            + f"    alert_rule_test:\n      - eval_time: {eval_time}\n"
+            f"        alertname: {alert}\n        exp_alerts: []\n")
+        result = promtool("test", "rules", "t.yml", cwd=workdir)
+        if result.returncode != 0:
+            assert alert in result.stdout + result.stderr, result.stdout + result.stderr
+            firing.add(alert)
+    return firing
