@@ -26,7 +26,14 @@ Build choices:
   (``idempotency.claim(NULL, ...)``) crashes the backend in function-call delegation, which
   reads the NULL constant as a datum. The build tree gets a guard that declines delegation
   for a NULL argument, so the call runs on the coordinator and our own argument check
-  answers IK010. Unpatched Citus is a documented limit (docs/scale-out.md).
+  answers IK010.
+- Both releases: a delegated function inside a FROM-subquery that PostgreSQL pulls up
+  (``SELECT * FROM (SELECT r.outcome FROM idempotency.claim(...) AS r) AS q``, and the same
+  through a CTE) crashes the backend: delegation deparses the already-planned query, whose
+  pulled-up subquery entry has no query left. The build tree gets a guard that declines
+  delegation unless the query's range table is the one function (or empty FROM) entry, so the
+  call runs on the coordinator like any other nested call.
+  Unpatched Citus is a documented limit for both (docs/scale-out.md, upstream report text).
 
 A missing source tarball is reported loudly and the flavour is left without Citus: the
 Citus tests then fail (tests/citus_cluster.py says why); they are never skipped.
@@ -56,7 +63,7 @@ BUILD_DEBS = ["clang-14", "make", "autoconf", "flex", "bison", "liblz4-dev", "li
 CITUS_TAG = {"pg18": "14.0.1", "pg15": "13.2.2"}
 PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
 # Bump when the recipe below changes in a way the key would not see.
-RECIPE = "2"
+RECIPE = "3"
 
 
 def citus_sources() -> Path:
@@ -149,7 +156,8 @@ def cache_key(flavour: str, tarball: Path) -> str:
 
 
 def patch_tree(src: Path) -> None:
-    """The two build-tree fixes the module docstring explains."""
+    """The build-tree fixes the module docstring explains; each anchor is checked, so a Citus
+    whose code moved fails the build instead of building unpatched."""
     # Citus 13.x on PG 15.20+: PostgreSQL now exports have_createdb_privilege().
     compat = src / "src" / "include" / "pg_version_compat.h"
     text = compat.read_text()
@@ -164,12 +172,29 @@ def patch_tree(src: Path) -> None:
     delegation = src / "src" / "backend" / "distributed" / "planner" / "function_call_delegation.c"
     text = delegation.read_text()
     anchor = "Const *partitionValue = (Const *) partitionValueNode;\n"
-    if anchor not in text:
+    if text.count(anchor) != 1:
         raise SystemExit(f"{delegation}: the NULL-argument guard's anchor line is missing")
     guard = ("\tif (partitionValue->constisnull)\n\t{\n"
              "\t\tereport(DEBUG1, (errmsg(\"distribution argument value is NULL\")));\n"
              "\t\treturn NULL;\n\t}\n")
-    delegation.write_text(text.replace(anchor, anchor + guard, 1))
+    text = text.replace(anchor, anchor + guard, 1)
+    # A delegated function inside a FROM-subquery that the planner pulls up, e.g.
+    # SELECT * FROM (SELECT r.outcome FROM idempotency.claim('s', 'k', '{}') AS r) AS q:
+    # TryToDelegateFunctionCall looks at the query standard_planner has already rewritten, in
+    # which the pulled-up subquery's range-table entry is still there but its query is NULL;
+    # deparsing the query for the worker (AcquireRewriteLocks) then dereferences that NULL.
+    # A delegated call is one function (or RTE_RESULT) entry; with anything more in the range
+    # table, decline delegation: the call runs on the coordinator, as any nested call does.
+    anchor = "\tFuncExpr *fromFuncExpr = NULL;\n\tif (joinTree->fromlist != NIL)\n"
+    if text.count(anchor) != 1:
+        raise SystemExit(f"{delegation}: the pulled-up-subquery guard's anchor is missing")
+    guard = ("\t/* pg_idempotency build patch: a pulled-up subquery leaves an entry whose\n"
+             "\t * query is NULL, which deparsing the delegated call would dereference */\n"
+             "\tif (list_length(planContext->query->rtable) != 1)\n\t{\n"
+             "\t\tereport(DEBUG1, (errmsg(\"not pushing down a function call whose query has"
+             " more than one range table entry\")));\n"
+             "\t\treturn NULL;\n\t}\n\n")
+    delegation.write_text(text.replace(anchor, guard + anchor, 1))
 
 
 def build(flavour: str, tarball: Path, out: Path) -> None:
