@@ -18,7 +18,12 @@ answers, the response (status, exact body bytes, content type, and the headers n
 writes, committed, and only then sent. Answers of its own:
 
 - 400 ``application/problem+json``: the route requires a key and none was sent, or the key is
-  not a valid name (empty, over 255 characters, control characters);
+  not one (an RFC 8941 sf-string of printable ASCII, 1 to 255 characters), or the ``scope``
+  callback's scope is not valid (over 255 characters, control characters), or the body cannot
+  be fingerprinted (JSON nested deeper than 128);
+- 413 when the body is over ``max_request_bytes`` (nothing past it is read, nothing claimed);
+- 507 when the handler's answer is over ``max_response_bytes`` (not stored, nothing past the
+  limit buffered; its writes roll back and the key is released);
 - 401 when the ``scope`` callback cannot identify the caller (returns None);
 - 409 with ``Retry-After`` (the lease left, at most ``retry_after_max`` seconds) while another
   attempt holds the key (after waiting up to ``wait`` seconds for it to finish, in which case
@@ -69,6 +74,7 @@ import contextlib
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
+from typing import Any
 
 import anyio
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -82,6 +88,7 @@ from .core import DEFAULT_LEASE, ClaimResult
 from .errors import (
     DEFAULT_UNAVAILABLE_RETRY_AFTER,
     AlreadyCompleted,
+    ArgumentTooLarge,
     DatabaseUnavailable,
     KeyExpired,
     KeyInProgress,
@@ -99,6 +106,10 @@ STATE_KEY = http.HANDLING_KEY
 class _Rollback(Exception):
     """The handler's answer is not stored (a 5xx, or an error before it started): roll back
     and release the key, then send the answer."""
+
+
+class _TooLarge(Exception):
+    """The handler's answer is over max_response_bytes: roll back, release, answer 507."""
 
 
 class PoolExhausted(RuntimeError):
@@ -138,8 +149,9 @@ class IdempotencyMiddleware:
       response is committed.
     - ``scope``: ``callback(request) -> str | None`` (may be async), the caller's identity.
     - ``routes``: ``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": ...}``
-      (``{name}`` matches one path segment); unlisted routes are ``default_policy``
-      (IGNORED: name the keyed routes).
+      (``{name}`` matches one path segment; a value may be a
+      :class:`~pg_idempotency.contract.Route` with the route's fingerprint fields and lease);
+      unlisted routes are ``default_policy`` (IGNORED: name the keyed routes).
     - ``pool_reserve``: connections of ``pool`` that keyed requests never hold (default 1):
       at most ``pool.max_size - pool_reserve`` requests hold one at a time, so a handler that
       takes up to ``pool_reserve`` more from the same pool cannot deadlock the pool.
@@ -148,13 +160,14 @@ class IdempotencyMiddleware:
       :class:`pg_idempotency.sqlalchemy.ForeignCommitError` (default True; only when
       :mod:`pg_idempotency.sqlalchemy` is imported).
     - ``wait``, ``lease``, ``replay_headers``, ``header_name``, ``store_server_errors``,
-      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``:
-      :class:`pg_idempotency.contract.Settings`.
+      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``,
+      ``max_request_bytes``, ``max_response_bytes``: :class:`pg_idempotency.contract.Settings`.
     """
 
     def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
                  scope: Callable[[Request], str | None | Awaitable[str | None]],
-                 routes: Mapping[str, Policy | str] | None = None,
+                 routes: Mapping[str, http.Route | Policy | str | Mapping[str, Any]]
+                 | None = None,
                  default_policy: Policy | str = Policy.IGNORED,
                  wait: float = 0.0, lease: timedelta | float = DEFAULT_LEASE,
                  replay_headers: Iterable[str] = DEFAULT_REPLAY_HEADERS,
@@ -162,13 +175,16 @@ class IdempotencyMiddleware:
                  fingerprint_query: bool = False,
                  retry_after_max: float = http.DEFAULT_RETRY_AFTER_MAX, pool_reserve: int = 1,
                  refuse_foreign_commits: bool = True,
-                 unavailable_retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER) -> None:
+                 unavailable_retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER,
+                 max_request_bytes: int = http.DEFAULT_MAX_REQUEST_BYTES,
+                 max_response_bytes: int = http.DEFAULT_MAX_RESPONSE_BYTES) -> None:
         if pool_reserve < 0:
             raise ValueError("pool_reserve must be 0 or more")
         self.settings = http.Settings(
             header_name=header_name, wait=wait, lease=lease, retry_after_max=retry_after_max,
             replay_headers=frozenset(replay_headers), store_server_errors=store_server_errors,
-            fingerprint_query=fingerprint_query, unavailable_retry_after=unavailable_retry_after)
+            fingerprint_query=fingerprint_query, unavailable_retry_after=unavailable_retry_after,
+            max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes)
         self.routes = http.Routes(routes, default_policy)
         self.app = app
         self.pool = pool
@@ -198,11 +214,14 @@ class IdempotencyMiddleware:
             return
         method, path = scope["method"], scope["path"]
         headers = dict(scope["headers"])
-        raw = headers.get(self.header)
-        key = http.read_key(self.settings, self.policy(method, path),
-                            raw.decode("latin-1") if raw is not None else None, method, path)
+        route = self.routes.route(method, path)
+        # The header's bytes as they came: never decoded as Latin-1 (contract.parse_key).
+        key = http.read_key(self.settings, route.policy, headers.get(self.header), method, path)
         if not isinstance(key, str):
             await (self.app(scope, receive, send) if key is None else _send(send, key))
+            return
+        if http.content_too_long(self.settings, _ascii(headers.get(b"content-length"))):
+            await _send(send, http.too_large(self.settings))
             return
         caller = self.scope_of(Request(scope))
         if inspect.isawaitable(caller):
@@ -210,14 +229,21 @@ class IdempotencyMiddleware:
         if not caller:
             await _send(send, http.unknown_caller())
             return
-        body = await _read_body(receive)
+        body = await _read_body(receive, self.settings.max_request_bytes)
         if body is None:
             # The client went away before its body was complete: that is not a request.
             # Nothing is claimed, so its retry with the whole body is the first attempt.
             return
-        digest = http.request_fingerprint(
-            self.settings, method, path, scope.get("query_string", b"").decode("latin-1"),
-            headers.get(b"content-type", b"").decode("latin-1"), body)
+        if body is _TOO_LARGE:
+            await _send(send, http.too_large(self.settings))
+            return
+        keyed = http.keyed_request(
+            self.settings, route, caller, method, path, _ascii(scope.get("query_string")),
+            _ascii(headers.get(b"content-type")), body)
+        if isinstance(keyed, Answer):
+            await _send(send, keyed)
+            return
+        digest = keyed.fingerprint
         held = contextlib.AsyncExitStack()  # a slot and a connection, while claimed or owned
         op: aio.Operation | None = None
 
@@ -225,8 +251,8 @@ class IdempotencyMiddleware:
             nonlocal op
             await held.enter_async_context(self._holder_slots())
             conn = await held.enter_async_context(self.pool.connection())
-            op = aio.operation(conn, str(caller), key, None, fingerprint=digest,
-                               lease=self.settings.lease)
+            op = aio.operation(conn, keyed.scope, key, None, fingerprint=digest,
+                               lease=keyed.lease)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 await op.__aenter__()  # its claim_result says which
             return op.claim_result  # type: ignore[no-any-return]
@@ -276,13 +302,20 @@ class IdempotencyMiddleware:
 
         start: Message | None = None
         chunks: list[bytes] = []
+        size = 0
+        limit = self.settings.max_response_bytes
 
         async def capture(message: Message) -> None:
-            nonlocal start
+            nonlocal start, size
             if message["type"] == "http.response.start":
                 start = message
             elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
+                chunk = message.get("body", b"")
+                size += len(chunk)
+                if size > limit:
+                    chunks.clear()  # over the limit: not stored, so nothing more is kept
+                else:
+                    chunks.append(chunk)
 
         try:
             try:
@@ -293,6 +326,8 @@ class IdempotencyMiddleware:
                     await cleanup()
             if start is None:
                 raise RuntimeError("the application sent no response")
+            if size > limit:
+                raise _TooLarge(size)
             if op.response is not None and op.response.completed_at is None:
                 # The handler handed the work over with op.accept(): that committed the
                 # interim answer with the job, and the key stays in progress for the worker.
@@ -313,6 +348,9 @@ class IdempotencyMiddleware:
             raise error from exc
         except BaseException as exc:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, _TooLarge):
+                await _send(send, http.response_too_large(self.settings))
+                return
             if isinstance(exc, _Rollback) and start is not None:
                 if http.lost(op.conn):  # the framework answered 500 for a lost connection
                     await _send(send, http.unavailable(self.settings))
@@ -331,6 +369,11 @@ class IdempotencyMiddleware:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
             await _send(send, http.taken_over())
             return
+        except ArgumentTooLarge as exc:
+            # The engine's own limit (settings.max_response_bytes) is lower than ours.
+            await op.__aexit__(type(exc), exc, exc.__traceback__)
+            await _send(send, http.response_too_large(self.settings))
+            return
         except DatabaseUnavailable as exc:
             # Lost before or during the commit: whether it committed is unknown, so the key
             # is left as it is (a retry replays, or resumes once the lease expires).
@@ -339,14 +382,30 @@ class IdempotencyMiddleware:
         await _send_raw(send, start["status"], raw_headers, chunks)
 
 
-async def _read_body(receive: Receive) -> bytes | None:
-    """The whole body, or None when the client disconnected before its last chunk."""
+#: What _read_body returns for a body over the limit.
+_TOO_LARGE = b"<over the limit>"
+
+
+def _ascii(value: bytes | None) -> str:
+    """A header or query string's bytes as text for the fingerprint: ASCII as it is, any
+    other byte escaped (never Latin-1 mojibake)."""
+    return "" if value is None else value.decode("ascii", "backslashreplace")
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body; None when the client disconnected before its last chunk;
+    :data:`_TOO_LARGE` as soon as it is over ``limit`` bytes (the rest is not read)."""
     chunks = []
+    size = 0
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunks.append(message.get("body", b""))
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return _TOO_LARGE
+        chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
 

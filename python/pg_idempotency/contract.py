@@ -6,8 +6,15 @@ Pure functions and small types, no framework and no database: the ASGI middlewar
 only translate their request and response objects to and from these, and run the handler in
 their framework's transaction. docs/http.md states the same contract in prose:
 
-- which routes are keyed (:class:`Routes`, :class:`Policy`): only the listed ones by default;
-- the key (:func:`read_key`): 400 when missing on a required route or invalid;
+- which routes are keyed, and how (:class:`Routes`, :class:`Route`, :class:`Policy`): only the
+  listed ones by default; per route, the body fields the fingerprint covers and the lease;
+- the key (:func:`read_key`): an RFC 8941 sf-string of printable ASCII, 400 when missing on a
+  required route or invalid;
+- the limits (:func:`too_large`, :func:`response_too_large`): 413 for a request body over
+  ``max_request_bytes`` before any claim; 507 for an answer over ``max_response_bytes``, never
+  stored (the handler's writes roll back, the key is released);
+- the request (:func:`keyed_request`): the caller's scope checked (400 naming it) and the
+  fingerprint (400 for a body the fingerprint refuses, e.g. nested deeper than 128);
 - what the fingerprint covers (:func:`request_fingerprint`): method, path, body (a JSON body by
   its canonical form), the query string only when asked (``fingerprint_query``);
 - the answer to a claim (:func:`claim_answer`): run the handler, replay the stored response
@@ -37,17 +44,23 @@ from .core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse
 from .errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, InvalidArgument, connection_lost
 from .fingerprint import _check_name, describe_request, fingerprint
 
-__all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Policy", "Routes", "Settings",
+__all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Keyed", "Policy", "Route", "Routes",
+           "Settings", "content_too_long", "keyed_request", "response_too_large", "too_large",
            "aclaim_waiting", "body_complete", "claim_answer", "claim_waiting", "guarded",
            "handling_of", "in_progress", "incomplete_body", "no_connection", "outage", "problem",
-           "read_key", "register_guard", "request_fingerprint", "start", "stored_answer",
-           "stored_parts", "stores", "taken_over", "unavailable", "unknown_caller"]
+           "parse_key", "read_key", "register_guard", "request_fingerprint", "start",
+           "stored_answer", "stored_parts", "stores", "taken_over", "unavailable",
+           "unknown_caller"]
 
 #: Headers that describe the operation's result, stored and replayed by default. Per-request
 #: headers (dates, trace ids, rate-limit counters, cookies) are not.
 DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
 #: Retry-After never says more than this by default (seconds), whatever the lease.
 DEFAULT_RETRY_AFTER_MAX = 2.0
+#: The default limits (bytes), the engine's defaults (idempotency.settings.max_request_bytes and
+#: max_response_bytes): a request body over the first is 413, an answer over the second 507.
+DEFAULT_MAX_REQUEST_BYTES = 1048576
+DEFAULT_MAX_RESPONSE_BYTES = 1048576
 #: The header every replay carries.
 REPLAYED_HEADER = ("Idempotent-Replayed", "true")
 
@@ -87,6 +100,10 @@ class Settings:
       False: a tracking parameter added by a retrying client does not make another request).
     - ``unavailable_retry_after``: the ``Retry-After`` (seconds, rounded up, at least 1) of a
       503 answered because the database cannot be reached (:func:`unavailable`).
+    - ``max_request_bytes``: the largest request body of a keyed request (413 above it, before
+      any claim; nothing past it is read).
+    - ``max_response_bytes``: the largest answer body stored (above it: 507, not stored, the
+      handler's writes rolled back and the key released; nothing past it is buffered).
     """
 
     header_name: str = "Idempotency-Key"
@@ -98,8 +115,14 @@ class Settings:
     store_server_errors: bool = False
     fingerprint_query: bool = False
     unavailable_retry_after: float = DEFAULT_UNAVAILABLE_RETRY_AFTER
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
 
     def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_response_bytes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a whole number of bytes, at least 1")
         if not self.unavailable_retry_after > 0:
             raise ValueError("unavailable_retry_after must be more than 0 (seconds)")
         if self.retry_after_max < 1:
@@ -124,26 +147,132 @@ def _route_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(f"{re.escape(method.upper())} {body}")
 
 
-class Routes:
-    """``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": "optional"}``
-    (``{name}`` matches one path segment). A route not listed gets ``default`` (IGNORED):
-    keyed routes are named, so that no endpoint is idempotent by accident of a header."""
+def _field_paths(value: Iterable[str] | None, name: str) -> tuple[tuple[str, ...], ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        raise ValueError(f"{name} is a list of field names, not one string: [{value!r}]")
+    paths = tuple(tuple(str(f).split(".")) for f in value)
+    if any("" in p for p in paths):
+        raise ValueError(f"{name}: a field name is a non-empty name or a dotted path (a.b)")
+    return paths
 
-    def __init__(self, routes: Mapping[str, Policy | str] | None = None,
-                 default: Policy | str = Policy.IGNORED) -> None:
+
+@dataclass(frozen=True, init=False)
+class Route:
+    """How one route is keyed (Powertools' and Stripe users' per-endpoint settings):
+
+    - ``policy``: required (the default), optional or ignored;
+    - ``fingerprint_fields``: only these fields of a JSON object body make up the fingerprint
+      (top-level names, or dotted paths into nested objects: ``"card.last4"``); a field the
+      body lacks is simply absent. None (the default): the whole body;
+    - ``fingerprint_exclude``: these fields (names or dotted paths) are left out, e.g. a client
+      timestamp or a trace id that differs between retries of one intent;
+    - ``lease``: this route's lease (seconds or a timedelta), else the adapter's.
+
+    The method and the path always count. The fields apply to a JSON object body only: any
+    other body counts whole. Leaving a field out means two requests that differ only there are
+    the same request (the retry gets the first one's answer), so leave out only what does not
+    change the operation."""
+
+    policy: Policy
+    fingerprint_fields: tuple[tuple[str, ...], ...] | None
+    fingerprint_exclude: tuple[tuple[str, ...], ...]
+    lease: timedelta | float | None
+
+    def __init__(self, policy: Policy | str = Policy.REQUIRED, *,
+                 fingerprint_fields: Iterable[str] | None = None,
+                 fingerprint_exclude: Iterable[str] = (),
+                 lease: timedelta | float | None = None) -> None:
         try:
-            self.default = Policy(default)
-            self._routes = [(_route_regex(pattern), Policy(policy))
-                            for pattern, policy in (routes or {}).items()]
-        except ValueError as exc:
-            raise ValueError(f"{exc}: a policy is one of 'required', 'optional', "
+            object.__setattr__(self, "policy", Policy(policy))
+        except ValueError:
+            raise ValueError(f"{policy!r}: a policy is one of 'required', 'optional', "
                              "'ignored'") from None
+        object.__setattr__(self, "fingerprint_fields",
+                           _field_paths(fingerprint_fields, "fingerprint_fields"))
+        object.__setattr__(self, "fingerprint_exclude",
+                           _field_paths(fingerprint_exclude, "fingerprint_exclude") or ())
+        if lease is not None:
+            seconds = lease.total_seconds() if isinstance(lease, timedelta) else float(lease)
+            if not seconds > 0:
+                raise ValueError("lease must be more than 0 seconds")
+        object.__setattr__(self, "lease", lease)
+
+    @classmethod
+    def of(cls, value: Route | Policy | str | Mapping[str, Any]) -> Route:
+        """A Route from what a configuration gives: a Route, a policy, or a mapping of
+        Route's arguments (Django settings: ``{"policy": "required", "fingerprint_exclude":
+        ["sent_at"], "lease": 60}``)."""
+        if isinstance(value, Route):
+            return value
+        if isinstance(value, Mapping):
+            return cls(**value)
+        return cls(value)
+
+    def lease_of(self, settings: Settings) -> timedelta | float:
+        return settings.lease if self.lease is None else self.lease
+
+    def body_for_fingerprint(self, body: Any) -> Any:
+        """The part of a parsed JSON body the fingerprint covers."""
+        if not isinstance(body, Mapping) or (self.fingerprint_fields is None
+                                             and not self.fingerprint_exclude):
+            return body
+        if self.fingerprint_fields is not None:
+            kept: dict[str, Any] = {}
+            for path in self.fingerprint_fields:
+                _copy_path(body, kept, path)
+            body = kept
+        for path in self.fingerprint_exclude:
+            body = _without_path(body, path)
+        return body
+
+
+def _copy_path(source: Mapping[str, Any], target: dict[str, Any], path: tuple[str, ...]) -> None:
+    head, rest = path[0], path[1:]
+    if head not in source:
+        return
+    if not rest:
+        target[head] = source[head]
+    elif isinstance(source[head], Mapping):
+        inner = target.setdefault(head, {})
+        if isinstance(inner, dict):
+            _copy_path(source[head], inner, rest)
+
+
+def _without_path(source: Mapping[str, Any], path: tuple[str, ...]) -> Mapping[str, Any]:
+    head, rest = path[0], path[1:]
+    if head not in source:
+        return source
+    if not rest:
+        return {k: v for k, v in source.items() if k != head}
+    if not isinstance(source[head], Mapping):
+        return source
+    return {**source, head: _without_path(source[head], rest)}
+
+
+class Routes:
+    """``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": "optional",
+    "POST /transfers": Route("required", fingerprint_exclude=["sent_at"], lease=120)}``
+    (``{name}`` matches one path segment; a value is a :class:`Route`, a policy, or a mapping
+    of Route's arguments). A route not listed gets ``default`` (IGNORED): keyed routes are
+    named, so that no endpoint is idempotent by accident of a header."""
+
+    def __init__(self, routes: Mapping[str, Route | Policy | str | Mapping[str, Any]]
+                 | None = None, default: Policy | str | Route = Policy.IGNORED) -> None:
+        self.default_route = Route.of(default)
+        self.default = self.default_route.policy
+        self._routes = [(_route_regex(pattern), Route.of(route))
+                        for pattern, route in (routes or {}).items()]
+
+    def route(self, method: str, path: str) -> Route:
+        for regex, route in self._routes:
+            if regex.fullmatch(f"{method} {path}"):
+                return route
+        return self.default_route
 
     def policy(self, method: str, path: str) -> Policy:
-        for regex, policy in self._routes:
-            if regex.fullmatch(f"{method} {path}"):
-                return policy
-        return self.default
+        return self.route(method, path).policy
 
 
 # -- answers of the adapter's own --------------------------------------------------------------
@@ -157,10 +286,61 @@ def problem(status: int, title: str, detail: str,
                            ("Content-Length", str(len(content))), *headers), content)
 
 
-def read_key(settings: Settings, policy: Policy, raw: str | None, method: str,
+#: What a key may hold: RFC 8941's sf-string characters, printable ASCII (0x20-0x7E).
+_PRINTABLE = re.compile(r"[\x20-\x7e]*")
+#: The unquoted form accepted too: visible ASCII (0x21-0x7E) without a quote, a comma or a
+#: semicolon (those would be structured-field syntax).
+_BARE = re.compile(r'[\x21-\x7e]+')
+_KEY_RULE = ("printable ASCII (0x20 to 0x7E), 1 to 255 characters, sent as an RFC 8941 "
+             'sf-string ("...", with \\" and \\\\ escapes) or bare (no spaces, quotes, commas '
+             "or semicolons)")
+
+
+def parse_key(raw: str | bytes) -> str:
+    """The key a header value carries, after the IETF Idempotency-Key draft: an RFC 8941
+    sf-string (``"k-1"``; ``\\"`` and ``\\\\`` are the only escapes) of printable ASCII,
+    or, accepted as well, the same characters bare (``k-1``, no spaces, quotes, commas or
+    semicolons). Raises ValueError saying what is wrong. Bytes are never decoded as
+    Latin-1: a byte outside 0x20-0x7E is refused, whatever encoding the client meant."""
+    if isinstance(raw, (bytes, bytearray)):
+        bad = next((b for b in bytes(raw) if not 0x20 <= b <= 0x7E and b != 0x09), None)
+        if bad is not None:
+            raise ValueError(f"has the byte 0x{bad:02X}: a key is {_KEY_RULE}")
+        raw = bytes(raw).decode("ascii")
+    text = raw.strip(" \t")
+    if not _PRINTABLE.fullmatch(text):
+        bad_char = next(c for c in text if not " " <= c <= "~")
+        raise ValueError(f"has the character U+{ord(bad_char):04X}: a key is {_KEY_RULE}")
+    if text.startswith('"'):
+        out: list[str] = []
+        i = 1
+        while i < len(text):
+            ch = text[i]
+            if ch == "\\":
+                if i + 1 >= len(text) or text[i + 1] not in '"\\':
+                    raise ValueError(f"has a backslash that escapes nothing: a key is {_KEY_RULE}")
+                out.append(text[i + 1])
+                i += 2
+                continue
+            if ch == '"':
+                if i != len(text) - 1:
+                    raise ValueError(f"has characters after its closing quote: a key is "
+                                     f"{_KEY_RULE}")
+                return "".join(out)
+            out.append(ch)
+            i += 1
+        raise ValueError(f"has no closing quote: a key is {_KEY_RULE}")
+    if text and not _BARE.fullmatch(text) or any(c in text for c in '",;'):
+        raise ValueError(f"is neither an sf-string nor a bare token: a key is {_KEY_RULE}")
+    return text
+
+
+def read_key(settings: Settings, policy: Policy, raw: str | bytes | None, method: str,
              path: str) -> str | Answer | None:
-    """The key of a request from its header value (``raw``, None when absent): the key, an
-    answer (400) to send instead, or None when the request is not keyed (pass it through)."""
+    """The key of a request from its header value (``raw``, None when absent; an ASGI
+    adapter passes the header's bytes as they arrived): the key, an answer (400) to send
+    instead, or None when the request is not keyed (pass it through). The rule:
+    :func:`parse_key`, then 1 to 255 characters."""
     if policy is Policy.IGNORED:
         return None
     name = settings.header_name
@@ -169,13 +349,14 @@ def read_key(settings: Settings, policy: Policy, raw: str | None, method: str,
             return problem(400, f"{name} header required",
                            f"{method} {path} requires an {name} header.")
         return None
-    key = raw.strip()
-    if len(key) >= 2 and key[0] == key[-1] == '"':  # the draft's sf-string form
-        key = key[1:-1]
+    try:
+        key = parse_key(raw)
+    except ValueError as exc:
+        return problem(400, f"Invalid {name}", f"The {name} header {exc}.")
     try:
         _check_name(name, "key", key)
     except InvalidArgument as exc:
-        return problem(400, f"Invalid {name}", str(exc))
+        return problem(400, f"Invalid {name}", f"{exc}: a key is {_KEY_RULE}.")
     return key
 
 
@@ -200,12 +381,77 @@ def body_complete(content_length: str | None, body: bytes) -> bool:
 
 
 def request_fingerprint(settings: Settings, method: str, path: str, query: str,
-                        content_type: str, body: bytes) -> bytes:
-    """The fingerprint of a request (:func:`~pg_idempotency.fingerprint.describe_request`):
-    the same bytes behind every adapter."""
-    return fingerprint(describe_request(method, path,
-                                        query if settings.fingerprint_query else None,
-                                        content_type, body))
+                        content_type: str, body: bytes, route: Route | None = None) -> bytes:
+    """The fingerprint of a request (:func:`~pg_idempotency.fingerprint.describe_request`,
+    a JSON body narrowed to the route's fields): the same bytes behind every adapter. Raises
+    :class:`~pg_idempotency.errors.InvalidArgument` (or RecursionError) for a body the
+    fingerprint refuses (:func:`keyed_request` answers 400 for it)."""
+    described = describe_request(method, path, query if settings.fingerprint_query else None,
+                                 content_type, body)
+    if route is not None and "json" in described:
+        described["json"] = route.body_for_fingerprint(described["json"])
+    return fingerprint(described)
+
+
+def too_large(settings: Settings, what: str = "request body") -> Answer:
+    """413: the request body is over ``max_request_bytes`` (by its Content-Length, or counted
+    while reading; nothing past the limit is read). Nothing is claimed."""
+    return problem(413, "Request too large",
+                   f"The {what} is larger than {settings.max_request_bytes} bytes, the limit "
+                   "of an idempotent request. Nothing was done.")
+
+
+def content_too_long(settings: Settings, content_length: str | int | None) -> bool:
+    """Whether a Content-Length says the body is over ``max_request_bytes``."""
+    try:
+        return int(content_length or 0) > settings.max_request_bytes
+    except ValueError:
+        return False
+
+
+def response_too_large(settings: Settings) -> Answer:
+    """507: the handler's answer is over ``max_response_bytes``, so it cannot be stored. Its
+    writes are rolled back and the key released; the same request will fail the same way, so
+    the retrying client does not resend it."""
+    return problem(507, "Response too large to store",
+                   f"The answer is larger than {settings.max_response_bytes} bytes, the limit "
+                   "of a stored answer. Nothing was done; the key is free again.")
+
+
+@dataclass(frozen=True)
+class Keyed:
+    """A keyed request ready to claim: whose key (scope), its fingerprint, its lease."""
+
+    scope: str
+    fingerprint: bytes
+    lease: timedelta | float
+
+
+def keyed_request(settings: Settings, route: Route, caller: Any, method: str, path: str,
+                  query: str, content_type: str, body: bytes) -> Keyed | Answer:
+    """What every adapter checks between reading the body and claiming: the scope the
+    app's callback gave (None or empty: 401; not a valid scope, e.g. over 255 characters:
+    400 naming it) and the body (one the fingerprint refuses, e.g. a JSON body nested deeper
+    than 128 or with a number PostgreSQL cannot hold: 400 naming what is wrong)."""
+    if not caller:
+        return unknown_caller()
+    scope = str(caller)
+    try:
+        _check_name("scope", "scope", scope)
+    except InvalidArgument as exc:
+        return problem(400, "Invalid caller scope",
+                       f"The scope this request belongs to is not valid ({exc}). A scope is 1 to "
+                       "255 characters without control characters.")
+    try:
+        digest = request_fingerprint(settings, method, path, query, content_type, body, route)
+    except InvalidArgument as exc:
+        return problem(400, "Invalid request body",
+                       f"The body cannot be fingerprinted: {exc}.")
+    except RecursionError:
+        return problem(400, "Invalid request body",
+                       "The body cannot be fingerprinted: JSON nested too deep (the limit is "
+                       "128 levels).")
+    return Keyed(scope, digest, route.lease_of(settings))
 
 
 def _retry_after(settings: Settings, left: timedelta | None) -> str:

@@ -287,11 +287,13 @@ def invalid_argument(function: str, argument: str | None, sqlstate: str,
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` itself says the database cannot be reached: a
     :class:`DatabaseUnavailable`, or a psycopg error of SQLSTATE class 08 or 57P01..57P03, or
-    an OperationalError without a SQLSTATE (refused, lost, closed; psycopg_pool's PoolTimeout
-    too). A query canceled (57014) or a deadlock is not: those are the statement's."""
+    an OperationalError without a SQLSTATE (refused, lost, closed). A query canceled (57014)
+    or a deadlock is not: those are the statement's; nor is psycopg_pool's PoolTimeout (no
+    connection of a pool free in time: the adapters answer it on their own, and a handler
+    that starves its own pool is a bug to see, not an outage)."""
     if isinstance(exc, DatabaseUnavailable):
         return True
-    if not isinstance(exc, psycopg.Error):
+    if not isinstance(exc, psycopg.Error) or type(exc).__module__.startswith("psycopg_pool"):
         return False
     state = exc.sqlstate
     if state is None:

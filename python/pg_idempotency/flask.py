@@ -38,11 +38,13 @@ import io
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 from http import HTTPStatus
 from typing import Any
 
 import flask
 from psycopg_pool import ConnectionPool, PoolTimeout
+from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import api
 from . import contract as http
@@ -50,6 +52,7 @@ from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
 from .core import ClaimResult
 from .errors import (
     AlreadyCompleted,
+    ArgumentTooLarge,
     DatabaseUnavailable,
     KeyExpired,
     KeyInProgress,
@@ -86,10 +89,20 @@ class _Out:
     headers: list[tuple[str, str]]
     body: bytes
     original: Any
+    #: The body was over max_response_bytes (and ``body`` holds none of it).
+    too_large: bool = False
 
 
 class _Rollback(Exception):
     """The handler's answer is not stored: roll back and release, then send it."""
+
+
+class _TooLarge(Exception):
+    """The handler's answer is over max_response_bytes: roll back, release, answer 507."""
+
+
+#: What the body readers return for a request body over max_request_bytes.
+_TOO_LARGE = b"<over the limit>"
 
 
 class _Keyed:
@@ -101,23 +114,28 @@ class _Keyed:
         self.settings = settings
         self.refuse_foreign_commits = refuse_foreign_commits
 
-    def run(self, environ: dict[str, Any], caller: str | None, key: str, method: str,
-            path: str, body: bytes | None, handler: Callable[[], _Out],
+    def run(self, environ: dict[str, Any], route: http.Route, caller: str | None, key: str,
+            method: str, path: str, body: bytes | None, handler: Callable[[], _Out],
             started: bool) -> Answer | _Out:
         if not caller:
             return http.unknown_caller()
         if body is None:
             return http.incomplete_body()
-        digest = http.request_fingerprint(self.settings, method, path,
-                                          environ.get("QUERY_STRING", ""),
-                                          environ.get("CONTENT_TYPE", ""), body)
+        if body is _TOO_LARGE:
+            return http.too_large(self.settings)
+        keyed = http.keyed_request(self.settings, route, caller, method, path,
+                                   environ.get("QUERY_STRING", ""),
+                                   environ.get("CONTENT_TYPE", ""), body)
+        if isinstance(keyed, Answer):
+            return keyed
+        digest = keyed.fingerprint
         held = contextlib.ExitStack()  # the connection, while claimed or owned
         op: api.Operation | None = None
 
         def claim() -> ClaimResult:
             nonlocal op
-            op = api.operation(held.enter_context(self.pool.connection()), caller, key, None,
-                               fingerprint=digest, lease=self.settings.lease)
+            op = api.operation(held.enter_context(self.pool.connection()), keyed.scope, key,
+                               None, fingerprint=digest, lease=keyed.lease)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 op.__enter__()  # its claim_result says which
             return op.claim_result  # type: ignore[no-any-return]
@@ -159,10 +177,14 @@ class _Keyed:
                 # op.accept() handed the work to a worker and committed the interim answer:
                 # send what was stored, so that this answer and its replays are the same.
                 return http.stored_answer(op.response, replayed=False)
+            if out.too_large or len(out.body) > self.settings.max_response_bytes:
+                raise _TooLarge(out.status)
             if not http.stores(self.settings, out.status, started=handling.started):
                 raise _Rollback(out.status)
         except BaseException as exc:
             op.__exit__(type(exc), exc, exc.__traceback__)
+            if isinstance(exc, _TooLarge):
+                return http.response_too_large(self.settings)
             if isinstance(exc, _Rollback):
                 # a 500 made of a lost connection (Flask answered it before we saw the error)
                 return http.unavailable(self.settings) if http.lost(op.conn) else out
@@ -174,6 +196,10 @@ class _Keyed:
             # Taken over while the view ran: its writes rolled back; the new holder's counts.
             op.__exit__(type(exc), exc, exc.__traceback__)
             return http.taken_over()
+        except ArgumentTooLarge as exc:
+            # The engine's own limit (settings.max_response_bytes) is lower than ours.
+            op.__exit__(type(exc), exc, exc.__traceback__)
+            return http.response_too_large(self.settings)
         except DatabaseUnavailable as exc:
             # Lost before or during the commit: the key is left as it is (a retry replays, or
             # resumes once the lease expires); 503.
@@ -197,8 +223,8 @@ class Idempotency:
     - ``refuse_foreign_commits``: with :mod:`pg_idempotency.sqlalchemy` imported, a commit on
       another SQLAlchemy connection while the view runs raises (default True).
     - ``wait``, ``lease``, ``replay_headers``, ``header_name``, ``store_server_errors``,
-      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``:
-      :class:`pg_idempotency.contract.Settings`.
+      ``fingerprint_query``, ``retry_after_max``, ``unavailable_retry_after``,
+      ``max_request_bytes``, ``max_response_bytes``: :class:`pg_idempotency.contract.Settings`.
     """
 
     def __init__(self, pool: ConnectionPool, *, scope: Callable[[flask.Request], str | None],
@@ -206,30 +232,37 @@ class Idempotency:
         self.scope_of = scope
         self._keyed = _Keyed(pool, _settings(**options), refuse_foreign_commits)
 
-    def idempotent(self, view: Callable[..., Any] | None = None, *, required: bool = True
-                   ) -> Any:
-        """Make a Flask view idempotent (``@idem.idempotent`` under ``@app.post(...)``)."""
-        policy = Policy.REQUIRED if required else Policy.OPTIONAL
+    def idempotent(self, view: Callable[..., Any] | None = None, *, required: bool = True,
+                   fingerprint_fields: Iterable[str] | None = None,
+                   fingerprint_exclude: Iterable[str] = (),
+                   lease: timedelta | float | None = None) -> Any:
+        """Make a Flask view idempotent (``@idem.idempotent`` under ``@app.post(...)``).
+        ``fingerprint_fields``, ``fingerprint_exclude`` and ``lease``: this route's
+        (:class:`pg_idempotency.contract.Route`)."""
+        route = http.Route(Policy.REQUIRED if required else Policy.OPTIONAL,
+                           fingerprint_fields=fingerprint_fields,
+                           fingerprint_exclude=fingerprint_exclude, lease=lease)
 
         def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
             @functools.wraps(fn)
             def wrapper(*args: Any, **kwargs: Any) -> Any:
-                return self._handle(policy, lambda: fn(*args, **kwargs))
+                return self._handle(route, lambda: fn(*args, **kwargs))
 
             return wrapper
 
         return decorate(view) if view is not None else decorate
 
-    def _handle(self, policy: Policy, view: Callable[[], Any]) -> Any:
+    def _handle(self, route: http.Route, view: Callable[[], Any]) -> Any:
         request = flask.request
         settings = self._keyed.settings
         environ = request.environ
         if http.handling_of(environ, ENVIRON_KEY) is not None:
             return view()  # the middleware claimed it already
-        key = http.read_key(settings, policy, request.headers.get(settings.header_name),
+        key = http.read_key(settings, route.policy, request.headers.get(settings.header_name),
                             request.method, request.path)
         if not isinstance(key, str):
             return view() if key is None else _flask_response(key)
+        body = _flask_body(request, settings)
 
         def handler() -> _Out:
             response = flask.current_app.make_response(view())
@@ -239,10 +272,24 @@ class Idempotency:
             return _Out(response.status_code, list(response.headers.items()),
                         response.get_data(), response)
 
-        body = request.get_data(cache=True)
-        result = self._keyed.run(environ, self.scope_of(request), key, request.method,
+        result = self._keyed.run(environ, route, self.scope_of(request), key, request.method,
                                  request.path, body, handler, started=True)
         return _flask_response(result) if isinstance(result, Answer) else result.original
+
+
+def _flask_body(request: flask.Request, settings: http.Settings) -> bytes:
+    """The request's body (cached for the view), or _TOO_LARGE without reading past
+    max_request_bytes (its Content-Length, or werkzeug counting a chunked body)."""
+    if http.content_too_long(settings, request.content_length):
+        return _TOO_LARGE
+    limit = settings.max_request_bytes
+    if request.max_content_length is None or request.max_content_length > limit:
+        with contextlib.suppress(AttributeError):  # Flask before 3.1: Content-Length only
+            request.max_content_length = limit
+    try:
+        return request.get_data(cache=True)
+    except RequestEntityTooLarge:
+        return _TOO_LARGE
 
 
 def _flask_response(answer: Answer) -> flask.Response:
@@ -258,15 +305,17 @@ class IdempotencyMiddleware:
 
     - ``scope``: ``callback(environ) -> str | None``;
     - ``routes``: ``{"POST /payments": "required", "POST /orders/{id}/refunds": "optional"}``
-      (``{name}`` matches one path segment); unlisted routes are ``default_policy``
-      (IGNORED: name the keyed routes).
+      (``{name}`` matches one path segment; a value may be a
+      :class:`~pg_idempotency.contract.Route` with the route's fingerprint fields and lease);
+      unlisted routes are ``default_policy`` (IGNORED: name the keyed routes).
 
     The view asks for its operation with :func:`get_operation`; a 4xx before it did is not
     stored (the key is released)."""
 
     def __init__(self, app: WSGIApp, *, pool: ConnectionPool,
                  scope: Callable[[dict[str, Any]], str | None],
-                 routes: Mapping[str, Policy | str] | None = None,
+                 routes: Mapping[str, http.Route | Policy | str | Mapping[str, Any]]
+                 | None = None,
                  default_policy: Policy | str = Policy.IGNORED, **options: Any) -> None:
         self.app = app
         self.scope_of = scope
@@ -279,12 +328,13 @@ class IdempotencyMiddleware:
         method, path = environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")
         settings = self._keyed.settings
         raw = environ.get("HTTP_" + settings.header_name.upper().replace("-", "_"))
-        key = http.read_key(settings, self.routes.policy(method, path), raw, method, path)
+        route = self.routes.route(method, path)
+        key = http.read_key(settings, route.policy, raw, method, path)
         if not isinstance(key, str):
             if key is None:
                 return self.app(environ, start_response)
             return _start(start_response, key)
-        body = _read_body(environ)
+        body = _read_body(environ, settings.max_request_bytes)
 
         def handler() -> _Out:
             inner = dict(environ)  # with ENVIRON_KEY: the Handling is shared
@@ -299,31 +349,53 @@ class IdempotencyMiddleware:
                 return lambda data: None  # the legacy write(): unused by Flask and most apps
 
             chunks = self.app(inner, capture)
+            kept: list[bytes] = []
+            size = 0
             try:
-                content = b"".join(chunks)
+                for chunk in chunks:
+                    size += len(chunk)
+                    if size > settings.max_response_bytes:
+                        kept.clear()  # not stored: stop reading the answer here
+                        break
+                    kept.append(chunk)
             finally:
                 close = getattr(chunks, "close", None)
                 if close is not None:
                     close()
             status, headers = captured
-            return _Out(int(status.split(" ", 1)[0]), list(headers), content, status)
+            return _Out(int(status.split(" ", 1)[0]), list(headers), b"".join(kept), status,
+                        too_large=size > settings.max_response_bytes)
 
-        result = self._keyed.run(environ, self.scope_of(environ), key, method, path, body,
-                                 handler, started=False)
+        result = self._keyed.run(environ, route, self.scope_of(environ), key, method, path,
+                                 body, handler, started=False)
         if isinstance(result, Answer):
             return _start(start_response, result)
         start_response(result.original, result.headers)
         return [result.body]
 
 
-def _read_body(environ: dict[str, Any]) -> bytes | None:
-    """The whole body, or None when it ended before its Content-Length."""
+def _read_body(environ: dict[str, Any], limit: int) -> bytes | None:
+    """The whole body; None when it ended before its Content-Length; _TOO_LARGE when it is
+    over ``limit`` bytes (by its Content-Length, or read in chunks up to limit + 1 when the
+    server terminates a chunked stream: nothing more is read)."""
     stream = environ["wsgi.input"]
     length = environ.get("CONTENT_LENGTH") or ""
     if length.isdigit():
+        if int(length) > limit:
+            return _TOO_LARGE
         body = stream.read(int(length)) if int(length) else b""
         return body if http.body_complete(length, body) else None
-    return stream.read() if environ.get("wsgi.input_terminated") else b""
+    if not environ.get("wsgi.input_terminated"):
+        return b""
+    chunks: list[bytes] = []
+    size = 0
+    while size <= limit:
+        chunk = stream.read(min(65536, limit + 1 - size))
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+        size += len(chunk)
+    return _TOO_LARGE
 
 
 def _start(start_response: StartResponse, answer: Answer) -> Iterator[bytes]:

@@ -45,7 +45,13 @@ from .. import api
 from .. import contract as http
 from ..contract import DEFAULT_REPLAY_HEADERS, Answer
 from ..core import DEFAULT_LEASE, ClaimResult, Outcome, _log
-from ..errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, AlreadyCompleted, KeyNotFound, LeaseLost
+from ..errors import (
+    DEFAULT_UNAVAILABLE_RETRY_AFTER,
+    AlreadyCompleted,
+    ArgumentTooLarge,
+    KeyNotFound,
+    LeaseLost,
+)
 from ..fingerprint import derive_key
 
 __all__ = ["Idempotency", "IdempotencyMiddleware", "get_idempotency", "idempotent"]
@@ -91,7 +97,9 @@ def _config(**overrides: Any) -> _Config:
         store_server_errors=bool(get("STORE_SERVER_ERRORS", False)),
         fingerprint_query=bool(get("INCLUDE_QUERY", False)),
         unavailable_retry_after=float(get("UNAVAILABLE_RETRY_AFTER",
-                                          DEFAULT_UNAVAILABLE_RETRY_AFTER))))
+                                          DEFAULT_UNAVAILABLE_RETRY_AFTER)),
+        max_request_bytes=int(get("MAX_REQUEST_BYTES", http.DEFAULT_MAX_REQUEST_BYTES)),
+        max_response_bytes=int(get("MAX_RESPONSE_BYTES", http.DEFAULT_MAX_RESPONSE_BYTES))))
 
 
 class Idempotency:
@@ -129,6 +137,10 @@ class _Rollback(Exception):
     """Raised inside the atomic block to roll it back (an answer not stored, a streaming one)."""
 
 
+class _TooLarge(_Rollback):
+    """The view's answer is over MAX_RESPONSE_BYTES: roll back, release, answer 507."""
+
+
 def _response(answer: Answer) -> HttpResponse:
     response = HttpResponse(answer.body, status=answer.status)
     del response["Content-Type"]  # the answer says its own (a stored one may have none)
@@ -137,7 +149,8 @@ def _response(answer: Answer) -> HttpResponse:
     return response
 
 
-def _claim(conn: Any, scope: str, key: str, digest: bytes, lease: float) -> ClaimResult:
+def _claim(conn: Any, scope: str, key: str, digest: bytes, lease: float | timedelta
+           ) -> ClaimResult:
     """One claim, committed on its own (the connection is in autocommit). A seam for tests."""
     return api.claim(conn, scope, key, None, fingerprint=digest, lease=lease)
 
@@ -170,9 +183,9 @@ def _raw_connection(using: str) -> tuple[Any, Any, bool]:
 
 
 def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
-            policy: http.Policy) -> HttpResponse:
+            route: http.Route) -> HttpResponse:
     try:
-        response = _keyed(request, view, conf, policy)
+        response = _keyed(request, view, conf, route)
     except Exception as exc:
         # The database went away (refused, lost, restarting), in the claim, the view's ORM
         # or the commit: 503 with Retry-After, nothing stored, never a 500.
@@ -205,28 +218,36 @@ def _forget_lost_connection(using: str) -> None:
 
 
 def _keyed(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config,
-           policy: http.Policy) -> HttpResponse:
+           route: http.Route) -> HttpResponse:
     s = conf.settings
     method, path = request.method or "", request.path
-    key = http.read_key(s, policy, request.headers.get(s.header_name), method, path)
+    # META holds the header as WSGI gives it (Latin-1 text of the bytes): contract.read_key
+    # refuses any character outside printable ASCII, so nothing is stored as mojibake.
+    key = http.read_key(s, route.policy, request.headers.get(s.header_name), method, path)
     if not isinstance(key, str):
         return view() if key is None else _response(key)
-    scope = conf.scope(request)
-    if not scope:
+    if http.content_too_long(s, request.META.get("CONTENT_LENGTH")):
+        return _response(http.too_large(s))  # before Django reads the body
+    caller = conf.scope(request)
+    if not caller:
         return _response(http.unknown_caller())
     body = request.body
     if not http.body_complete(request.META.get("CONTENT_LENGTH"), body):
         return _response(http.incomplete_body())
-    digest = http.request_fingerprint(s, method, path, request.META.get("QUERY_STRING", ""),
-                                      request.META.get("CONTENT_TYPE", ""), body)
+    keyed = http.keyed_request(s, route, caller, method, path,
+                               request.META.get("QUERY_STRING", ""),
+                               request.META.get("CONTENT_TYPE", ""), body)
+    if isinstance(keyed, Answer):
+        return _response(keyed)
+    scope, digest = keyed.scope, keyed.fingerprint
     connection, conn, test_mode = _raw_connection(conf.using)
 
     def claim() -> ClaimResult:
         if test_mode:
             with transaction.atomic(using=conf.using):
-                result = _claim(conn, scope, key, digest, s.lease_seconds)
+                result = _claim(conn, scope, key, digest, keyed.lease)
         else:
-            result = _claim(conn, scope, key, digest, s.lease_seconds)
+            result = _claim(conn, scope, key, digest, keyed.lease)
         return result  # logged by the core's claim, as every event of the API
 
     claimed = http.claim_waiting(s, claim)
@@ -253,9 +274,14 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
             if not http.stores(conf.settings, response.status_code):
                 failed_response = response
                 raise _Rollback(response.status_code)
+            if len(response.content) > conf.settings.max_response_bytes:
+                raise _TooLarge(len(response.content))
             stored, content_type = http.stored_parts(conf.settings, response.headers.items())
-            api.complete(conn, scope, key, token, response.status_code,
-                         bytes(response.content), headers=stored, content_type=content_type)
+            try:
+                api.complete(conn, scope, key, token, response.status_code,
+                             bytes(response.content), headers=stored, content_type=content_type)
+            except ArgumentTooLarge as exc:  # the engine's own limit is lower than ours
+                raise _TooLarge(str(exc)) from exc
             completed = True
     except _OWNED_KEY_GONE:
         # Taken over while we ran: the atomic block (our writes) rolled back; the new
@@ -264,6 +290,8 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
     except BaseException as exc:
         if not completed:
             _release_after_failure(connection, conn, conf, state, token)
+        if isinstance(exc, _TooLarge):
+            return _response(http.response_too_large(conf.settings))
         if isinstance(exc, _Rollback) and failed_response is not None:
             return failed_response
         raise
@@ -297,15 +325,20 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
                wait: float | None = None, retry_after: int | None = None,
                replay_headers: Iterable[str] | None = None,
                store_server_errors: bool | None = None, include_query: bool | None = None,
-               using: str | None = None) -> Any:
+               using: str | None = None, fingerprint_fields: Iterable[str] | None = None,
+               fingerprint_exclude: Iterable[str] = ()) -> Any:
     """Make a view idempotent (``@idempotent`` or ``@idempotent(scope=..., ...)``). Each
     argument left None comes from ``settings.PG_IDEMPOTENCY`` (docs/django.md). The view is
     marked ``non_atomic_requests`` for its database: with ``ATOMIC_REQUESTS`` the decorator
-    still runs it in an atomic block, opened after the claim."""
+    still runs it in an atomic block, opened after the claim. ``fingerprint_fields`` and
+    ``fingerprint_exclude``: the body fields this route's fingerprint covers, or leaves out
+    (:class:`pg_idempotency.contract.Route`)."""
     overrides = {"scope": scope, "lease": lease, "wait": wait, "retry_after": retry_after,
                  "replay_headers": replay_headers, "store_server_errors": store_server_errors,
                  "include_query": include_query, "using": using}
-    policy = http.Policy.REQUIRED if required else http.Policy.OPTIONAL
+    route = http.Route(http.Policy.REQUIRED if required else http.Policy.OPTIONAL,
+                       fingerprint_fields=fingerprint_fields,
+                       fingerprint_exclude=fingerprint_exclude)
 
     def decorate(fn: Callable[..., HttpResponse]) -> Callable[..., HttpResponse]:
         @functools.wraps(fn)
@@ -313,7 +346,7 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
             if get_idempotency(request) is not None:  # the middleware claimed it already
                 return fn(request, *args, **kwargs)
             return _handle(request, lambda: fn(request, *args, **kwargs), _config(**overrides),
-                           policy)
+                           route)
 
         alias = using or getattr(settings, "PG_IDEMPOTENCY", {}).get("USING", DEFAULT_DB_ALIAS)
         return transaction.non_atomic_requests(using=alias)(wrapper)
@@ -324,7 +357,9 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
 class IdempotencyMiddleware:
     """``"pg_idempotency.django.IdempotencyMiddleware"`` in ``MIDDLEWARE``, routes in
     ``PG_IDEMPOTENCY["ROUTES"]``: ``{"POST /payments/": "required", "POST /orders/{id}/":
-    "optional"}``. Unlisted routes get ``DEFAULT_POLICY`` ("ignored"). The claim is made
+    "optional", "POST /transfers/": {"policy": "required", "fingerprint_exclude":
+    ["sent_at"], "lease": 120}}`` (a policy, a :class:`pg_idempotency.contract.Route` or a
+    mapping of its arguments). Unlisted routes get ``DEFAULT_POLICY`` ("ignored"). The claim is made
     before the rest of the chain runs, and the rest of the chain (inner middleware and the view,
     wrapped by ATOMIC_REQUESTS or not) runs in the atomic block that stores the response."""
 
@@ -337,7 +372,7 @@ class IdempotencyMiddleware:
         return self.routes.policy(method, path).value
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        policy = self.routes.policy(request.method or "", request.path)
-        if policy is http.Policy.IGNORED:
+        route = self.routes.route(request.method or "", request.path)
+        if route.policy is http.Policy.IGNORED:
             return self.get_response(request)
-        return _handle(request, lambda: self.get_response(request), _config(), policy)
+        return _handle(request, lambda: self.get_response(request), _config(), route)
