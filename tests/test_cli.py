@@ -29,7 +29,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     base = {k: v for k, v in os.environ.items()
             if k != "DATABASE_URL" and not k.startswith("PG")}
     base["LC_ALL"] = "C"
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=120,
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=600,
                           env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
