@@ -1,0 +1,150 @@
+"""No timing oracle on wrong-token calls (issue 34): a request role that calls heartbeat,
+checkpoint or release with a wrong token on someone's (scope, key) must not learn from the
+time the call takes whether the key exists, and in which state.
+
+Measured the way an attacker can: as the request role, with the calls interleaved in random
+order over keys it does not know (half exist, in progress, completed or released, in its own
+scope and in another; half were never claimed).
+- Server-side, in a PL/pgSQL loop timing each call with clock_timestamp() (what a DO block of
+  an application role can do; no network noise): the three existing states cannot be told
+  apart, and the gap between existing and absent keys is a small fraction of a call (it was
+  36% before 0.11.0: 12 us of 33; docs/design.md, "No timing oracle", says what remains).
+- Client-side, as in the issue's probe (30 calls per key, per-key median against the pooled
+  median): the aim is no better than chance by a wide margin. NOT reached yet: the residual
+  gap still lets it classify up to 32 of 40 on a quiet machine (xfail, with the reason).
+Both compare quantiles within one run, so a loaded machine adds noise (which helps the null
+hypothesis) but no bias between the classes, which are interleaved.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from typing import Any
+
+import psycopg
+import pytest
+
+from conftest import login_roles
+
+CALLS = {
+    "heartbeat": "idempotency.heartbeat(%(s)s, %(k)s, %(t)s)",
+    "checkpoint": "idempotency.checkpoint(%(s)s, %(k)s, %(t)s, 'step')",
+    "release": "idempotency.release(%(s)s, %(k)s, %(t)s)",
+}
+STATES = ("in_progress", "completed", "released")
+KEYS_PER_CLASS = 300
+WRONG_TOKEN = 4242
+
+
+def make_keys(db: str, scopes: tuple[str, ...]) -> None:
+    """KEYS_PER_CLASS keys per state in each scope, as the owner."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        for scope in scopes:
+            for state in STATES:
+                for i in range(KEYS_PER_CLASS):
+                    key = f"{state}{i}"
+                    token = conn.execute("SELECT lease_token FROM idempotency.claim(%s, %s, '{}')",
+                                         (scope, key)).fetchone()[0]
+                    if state == "completed":
+                        conn.execute("SELECT idempotency.complete(%s, %s, %s, 200, '{}')",
+                                     (scope, key, token))
+                    elif state == "released":
+                        conn.execute("SELECT idempotency.release(%s, %s, %s)",
+                                     (scope, key, token))
+        conn.execute("VACUUM ANALYZE idempotency.keys, idempotency.key_directory")
+
+
+def server_side(conn: psycopg.Connection[Any], call: str, classes: list[str]) -> dict[str, list]:
+    """Microseconds per wrong-token call, by class ('scope/state'), timed inside the server."""
+    stmt = CALLS[call] % {"s": "v_scope", "k": "v_key", "t": str(WRONG_TOKEN)}
+    conn.execute("DROP TABLE IF EXISTS pg_temp.timing")
+    conn.execute("CREATE TEMP TABLE timing (cls text, us float8)")
+    conn.execute(f"""
+DO $$
+DECLARE t0 timestamptz; t1 timestamptz; v_scope text; v_key text; v_cls text;
+BEGIN
+  FOR i IN 0 .. {KEYS_PER_CLASS - 1} LOOP
+    FOR v_cls IN SELECT c FROM unnest(%s::text[]) AS c ORDER BY random() LOOP
+      v_scope := split_part(v_cls, '/', 1);
+      v_key := split_part(v_cls, '/', 2) || i;
+      t0 := clock_timestamp();
+      BEGIN
+        PERFORM {stmt};
+      EXCEPTION WHEN SQLSTATE 'IK001' THEN NULL;
+      END;
+      t1 := clock_timestamp();
+      INSERT INTO timing VALUES (v_cls, extract(epoch FROM t1 - t0) * 1e6);
+    END LOOP;
+  END LOOP;
+END $$""".replace("%s::text[]", "'{" + ",".join(classes) + "}'::text[]"))
+    out: dict[str, list] = {c: [] for c in classes}
+    for cls, us in conn.execute("SELECT cls, us FROM timing"):
+        out[cls].append(us)
+    return out
+
+
+@pytest.mark.parametrize("call", sorted(CALLS))
+def test_wrong_token_costs_the_same_in_every_key_state(server: Any, db: str, call: str) -> None:
+    mine, other = "attacker", "victim"
+    make_keys(db, (mine, other))
+    classes = [f"{scope}/{state}" for scope in (mine, other) for state in (*STATES, "absent")]
+    with login_roles(server, db, "request") as (role,), \
+            psycopg.connect(db, user=role, autocommit=True) as conn:
+        server_side(conn, call, classes)  # warm up: plans, caches
+        times = server_side(conn, call, classes)
+    med = {cls: statistics.median(v) for cls, v in times.items()}
+    existing = [med[f"{s}/{st}"] for s in (mine, other) for st in STATES]
+    absent = [med[f"{s}/absent"] for s in (mine, other)]
+    call_time = statistics.median(existing + absent)
+    report = ", ".join(f"{cls} {m:.1f}" for cls, m in sorted(med.items()))
+    print(f"{call} server-side medians (us): {report}")
+    # The existing states do the same statements, touching the same rows: indistinguishable
+    # (the clock's resolution is 1 us).
+    assert max(existing) - min(existing) <= max(1.0, 0.05 * call_time), report
+    # Existing against absent: what remains is the heap fetch of the key's rows (docs/design.md)
+    # and must stay a small fraction of the call; before 0.11.0 it was 36% (12 of 33 us).
+    gap = statistics.median(existing) - statistics.median(absent)
+    assert abs(gap) <= 0.15 * call_time, f"gap {gap:.1f} us of {call_time:.1f}: {report}"
+
+
+@pytest.mark.xfail(strict=False, reason=(
+    "residual oracle, not removed: an existing key's rows are fetched from the heap (5 fetches, "
+    "~2.5-3 us server-side) where an absent key's index probes find nothing; on a quiet machine "
+    "this probe classifies 22-32 of 40 (40 of 40 before 0.11.0). docs/design.md, 'No timing "
+    "oracle'."))
+def test_the_issue_probe_does_no_better_than_chance(server: Any, db: str) -> None:
+    """The issue's probe, client-side: 40 unknown keys (20 existing in various states of another
+    scope, 20 never claimed), 30 wrong-token heartbeats each, interleaved; a key is classified
+    'exists' when its median is above the median of all 40 medians. It classified 40 of 40
+    before 0.11.0; chance is 20, and 31 or more has a probability of 0.1% under chance."""
+    other = "victim"
+    make_keys(db, (other,))
+    rng = random.Random(34)
+    existing = [f"{state}{i}" for state in STATES for i in range(7)][:20]
+    absent = [f"never{i}" for i in range(20)]
+    keys = existing + absent
+    samples: dict[str, list[float]] = {k: [] for k in keys}
+    with login_roles(server, db, "request") as (role,), \
+            psycopg.connect(db, user=role, autocommit=True) as conn:
+        order = [k for k in keys for _ in range(30)]
+        rng.shuffle(order)
+        for key in order[:200]:  # warm up
+            try:
+                conn.execute("SELECT idempotency.heartbeat(%s, %s, %s)", (other, key, WRONG_TOKEN))
+            except psycopg.Error:
+                pass
+        for key in order:
+            t0 = time.perf_counter()
+            try:
+                conn.execute("SELECT idempotency.heartbeat(%s, %s, %s)", (other, key, WRONG_TOKEN))
+            except psycopg.Error as exc:
+                assert exc.sqlstate == "IK001"
+            samples[key].append(time.perf_counter() - t0)
+    medians = {k: statistics.median(v) for k, v in samples.items()}
+    threshold = statistics.median(medians.values())
+    correct = sum((medians[k] > threshold) == (k in existing) for k in keys)
+    print(f"client-side probe: {correct} of 40 classified correctly (chance 20)")
+    # Classifying the other way round would be as good an oracle.
+    assert 10 <= correct <= 30, correct
