@@ -400,6 +400,14 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         finally:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 conn.autocommit = False
+    if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        # The statement and COMMIT in one simple Query message: one round trip, with the
+        # values bound here (psycopg quotes them for the connection's settings) and none of
+        # a pipeline's machinery, which costs the app more CPU than the round trip it saves
+        # (docs/benchmarks.md). An error in the statement skips the COMMIT.
+        with psycopg.ClientCursor(conn, row_factory=dict_row) as ccur:
+            ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
+            return ccur.fetchone() if q.fetch == "one" else ccur.fetchall()
     with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
@@ -425,6 +433,10 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
         finally:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 await conn.set_autocommit(False)
+    if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        async with psycopg.AsyncClientCursor(conn, row_factory=dict_row) as ccur:
+            await ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
+            return await (ccur.fetchone() if q.fetch == "one" else ccur.fetchall())
     async with conn.cursor(row_factory=dict_row) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]

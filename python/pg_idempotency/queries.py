@@ -195,3 +195,5 @@ SCHEMA_VERSION: Final = "SELECT max(version) AS version FROM idempotency.migrati
 BEGIN: Final = "BEGIN"
 #: Sent as a statement in the pipeline of complete() (Connection.commit() would add a Sync).
 COMMIT: Final = "COMMIT"
+#: Appended to complete's call to send both in one simple Query message (core._execute).
+AND_COMMIT: Final = ";\nCOMMIT"
