@@ -162,8 +162,8 @@ def test_retries_409_429_5xx_and_honours_retry_after() -> None:
     assert len({r.headers["idempotency-key"] for r in seen}) == 1
 
 
-@pytest.mark.parametrize("status", [400, 401, 404, 422])
-def test_never_retries_other_4xx(status: int) -> None:
+@pytest.mark.parametrize("status", [400, 401, 404, 413, 422, 501, 507])
+def test_never_retries_other_4xx_nor_a_5xx_that_fails_again(status: int) -> None:
     http, seen = scripted(httpx.Response(status))
     assert RetryingClient(http, **FAST).post("/p").status_code == status
     assert len(seen) == 1

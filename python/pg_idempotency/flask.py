@@ -284,12 +284,15 @@ def _flask_body(request: flask.Request, settings: http.Settings) -> bytes:
         return _TOO_LARGE
     limit = settings.max_request_bytes
     if request.max_content_length is None or request.max_content_length > limit:
+        # one byte more than the limit is read at most: werkzeug stops a chunked body there
+        # without saying whether more followed, so a body that long is over the limit
         with contextlib.suppress(AttributeError):  # Flask before 3.1: Content-Length only
-            request.max_content_length = limit
+            request.max_content_length = limit + 1
     try:
-        return request.get_data(cache=True)
+        body = request.get_data(cache=True)
     except RequestEntityTooLarge:
         return _TOO_LARGE
+    return _TOO_LARGE if len(body) > limit else body
 
 
 def _flask_response(answer: Answer) -> flask.Response:

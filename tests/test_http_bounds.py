@@ -1,0 +1,377 @@
+"""Bounds over HTTP (issue 34), the same in every adapter, over real HTTP on real PostgreSQL:
+
+- every client mistake is a 4xx problem+json naming what was wrong: a JSON body nested deeper
+  than 128 (400), a scope from the app's callback over 255 characters (400, naming the scope),
+  a key outside RFC 8941's sf-string characters (400: ``clé``, ``ключ``, raw bytes), nothing
+  claimed for any of them;
+- what a quoted header stores is the key ``pg-idempotency keys show`` finds;
+- a request body over ``max_request_bytes`` is 413 before any claim (by Content-Length, and
+  counted while reading a chunked body); an answer over ``max_response_bytes`` is 507, not
+  stored: its write rolled back, its key released, and a retry with the same key runs afresh;
+- per-route policy: fields left out of the fingerprint (a client timestamp, a trace id) or
+  only some counted, per route.
+
+And the memory of the ASGI middleware per call stays bounded with bodies at and over the limits
+(tracemalloc peak), and the retrying client never resends a 4xx.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import tracemalloc
+import types
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import flask
+import httpx
+import psycopg
+import pytest
+from django.db import connections
+from django.http import HttpRequest, HttpResponse
+from django.urls import path as django_path
+from psycopg_pool import AsyncConnectionPool, ConnectionPool
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route as StarletteRoute
+from test_http_adapters import django_on, wsgi_server
+
+import pg_idempotency.django as pg_django
+from payments_helpers import uvicorn_server
+from pg_idempotency import asgi as pg_asgi
+from pg_idempotency import contract
+from pg_idempotency import flask as pg_flask
+from pg_idempotency.contract import Route
+
+ADAPTERS = ["asgi", "django", "django-mw", "flask", "wsgi"]
+MAX_REQUEST = 4000
+MAX_RESPONSE = 3000
+LEDGER = "CREATE TABLE IF NOT EXISTS ledger (intent text NOT NULL)"
+#: /pay: a client timestamp and a trace id do not count; /only: only the amount counts.
+ROUTES = {"POST /pay": Route("required", fingerprint_exclude=["sent_at", "trace.id"], lease=7),
+          "POST /only": Route("required", fingerprint_fields=["amount"])}
+LIMITS = {"max_request_bytes": MAX_REQUEST, "max_response_bytes": MAX_RESPONSE}
+
+
+def answer_of(body: bytes) -> tuple[str, bytes]:
+    """What every handler does: the intent's ledger row, and an answer of ``size`` bytes."""
+    data = json.loads(body)
+    size = int(data.get("size", 0))
+    content = json.dumps({"intent": data["intent"], "pad": "x" * size}).encode()
+    return data["intent"], content
+
+
+def _asgi_app(dsn: str) -> Any:
+    pool = AsyncConnectionPool(dsn, min_size=1, max_size=6, open=False)
+
+    async def pay(request: Request) -> Response:
+        intent, content = answer_of(await request.body())
+        op = pg_asgi.get_operation(request)
+        assert op is not None
+        await op.conn.execute("INSERT INTO ledger VALUES (%s)", (intent,))
+        return Response(content, status_code=201, media_type="application/json")
+
+    inner = Starlette(routes=[StarletteRoute(p, pay, methods=["POST"]) for p in ("/pay", "/only")])
+    keyed = pg_asgi.IdempotencyMiddleware(
+        inner, pool=pool, scope=lambda r: r.headers.get("x-account"), routes=ROUTES, **LIMITS)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await pool.open()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await pool.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await keyed(scope, receive, send)
+
+    return app
+
+
+def _django_view(request: HttpRequest) -> HttpResponse:
+    intent, content = answer_of(request.body)
+    with connections["default"].cursor() as cursor:
+        cursor.execute("INSERT INTO ledger VALUES (%s)", [intent])
+    return HttpResponse(content, status=201, content_type="application/json")
+
+
+def _account(request: HttpRequest) -> str | None:
+    return request.headers.get("X-Account")
+
+
+urlpatterns = [  # the decorator, one per route
+    django_path("pay", pg_django.idempotent(scope=_account, lease=7,
+                                            fingerprint_exclude=["sent_at", "trace.id"])(
+        _django_view)),
+    django_path("only", pg_django.idempotent(scope=_account, fingerprint_fields=["amount"])(
+        _django_view)),
+]
+mw_urlpatterns = [django_path("pay", _django_view), django_path("only", _django_view)]
+
+
+def _flask_app(pool: ConnectionPool, middleware: bool) -> flask.Flask:
+    app = flask.Flask(__name__)
+
+    def pay() -> Any:
+        intent, content = answer_of(flask.request.get_data())
+        op = pg_flask.get_operation()
+        assert op is not None
+        op.conn.execute("INSERT INTO ledger VALUES (%s)", (intent,))
+        return flask.Response(content, status=201, content_type="application/json")
+
+    if middleware:
+        app.add_url_rule("/pay", "pay", pay, methods=["POST"])
+        app.add_url_rule("/only", "only", pay, methods=["POST"])
+        app.wsgi_app = pg_flask.IdempotencyMiddleware(  # type: ignore[method-assign]
+            app.wsgi_app, pool=pool, scope=lambda environ: environ.get("HTTP_X_ACCOUNT"),
+            routes=ROUTES, **LIMITS)
+        return app
+    idem = pg_flask.Idempotency(pool, scope=lambda r: r.headers.get("X-Account"), **LIMITS)
+    app.add_url_rule("/pay", "pay", idem.idempotent(
+        pay, fingerprint_exclude=["sent_at", "trace.id"], lease=7), methods=["POST"])
+    app.add_url_rule("/only", "only", idem.idempotent(pay, fingerprint_fields=["amount"]),
+                     methods=["POST"])
+    return app
+
+
+_MIDDLEWARE_URLS = types.ModuleType(f"{__name__}_mw")
+_MIDDLEWARE_URLS.urlpatterns = mw_urlpatterns  # type: ignore[attr-defined]
+sys.modules[_MIDDLEWARE_URLS.__name__] = _MIDDLEWARE_URLS
+
+
+@contextmanager
+def serve(adapter: str, dsn: str) -> Iterator[str]:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(LEDGER)
+    if adapter == "asgi":
+        with uvicorn_server(_asgi_app(dsn)) as base:
+            yield base
+    elif adapter.startswith("django"):
+        from django.test import override_settings
+        middleware = adapter == "django-mw"
+        conf = {"MAX_REQUEST_BYTES": MAX_REQUEST, "MAX_RESPONSE_BYTES": MAX_RESPONSE,
+                "SCOPE": _account,
+                "ROUTES": {"POST /pay": {"policy": "required", "lease": 7,
+                                         "fingerprint_exclude": ["sent_at", "trace.id"]},
+                           "POST /only": {"fingerprint_fields": ["amount"]}}}
+        urlconf = _MIDDLEWARE_URLS.__name__ if middleware else __name__
+        with override_settings(PG_IDEMPOTENCY=conf), django_on(dsn, urlconf) as app:
+            if middleware:
+                with override_settings(MIDDLEWARE=["pg_idempotency.django.IdempotencyMiddleware"]):
+                    app.load_middleware()
+            with wsgi_server(app, django=True) as base:
+                yield base
+    else:
+        with ConnectionPool(dsn, min_size=1, max_size=6, open=True) as pool:
+            with wsgi_server(_flask_app(pool, adapter == "wsgi").wsgi_app) as base:
+                yield base
+
+
+@pytest.fixture(params=ADAPTERS)
+def served(request: pytest.FixtureRequest, db: str) -> Iterator[tuple[str, str, str]]:
+    with serve(request.param, db) as base:
+        yield request.param, base, db
+
+
+def post(base: str, path: str, key: bytes | str | None, body: Any, account: str = "acct",
+         raw: Any = None) -> httpx.Response:
+    headers: dict[str, Any] = {"Content-Type": "application/json", "X-Account": account}
+    if key is not None:
+        headers["Idempotency-Key"] = key
+    content = raw if raw is not None else json.dumps(body).encode()
+    return httpx.post(base + path, headers=headers, content=content, timeout=30)
+
+
+def problem(r: httpx.Response, status: int, *words: str) -> str:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"] == "application/problem+json"
+    detail: str = r.json()["detail"]
+    for word in words:
+        assert word in detail, detail
+    return detail
+
+
+def keys_of(dsn: str) -> list[tuple[str, str, str]]:
+    with psycopg.connect(dsn) as conn:
+        return [tuple(r) for r in conn.execute(  # type: ignore[misc]
+            "SELECT scope, key, state::text FROM idempotency.keys ORDER BY key").fetchall()]
+
+
+def ledger(dsn: str, intent: str) -> int:
+    with psycopg.connect(dsn) as conn:
+        return conn.execute("SELECT count(*) FROM ledger WHERE intent = %s",  # type: ignore[index]
+                            (intent,)).fetchone()[0]
+
+
+def test_client_mistakes_are_4xx_and_claim_nothing(served: tuple[str, str, str]) -> None:
+    adapter, base, dsn = served
+    deep: Any = 1
+    for _ in range(200):
+        deep = [deep]
+    problem(post(base, "/pay", "deep", {"intent": "deep", "x": deep}), 400, "128")
+    problem(post(base, "/pay", "long-scope", {"intent": "s"}, account="a" * 300), 400,
+            "scope", "255")
+    for bad in ("clé".encode(), "ключ".encode(), b"k\xff\xfe", b'"unterminated', b"a b",
+                b'"' + b"k" * 256 + b'"', b'""'):
+        problem(post(base, "/pay", bad, {"intent": "k"}), 400, "printable ASCII")
+    assert keys_of(dsn) == [] and ledger(dsn, "deep") == 0
+
+
+def test_quoted_key_is_what_keys_show_finds(served: tuple[str, str, str]) -> None:
+    adapter, base, dsn = served
+    first = post(base, "/pay", b'"order \\"7\\" k"', {"intent": "q"})
+    assert first.status_code == 201, first.text
+    again = post(base, "/pay", b'"order \\"7\\" k"', {"intent": "q"})
+    assert again.headers["idempotent-replayed"] == "true"
+    assert keys_of(dsn) == [("acct", 'order "7" k', "completed")]
+    shown = subprocess.run([os.path.join(os.path.dirname(sys.executable), "pg-idempotency"),
+                            "keys", "show", "acct", 'order "7" k', "--json"],
+                           env={**os.environ, "DATABASE_URL": dsn}, capture_output=True,
+                           text=True, check=True)
+    assert json.loads(shown.stdout)["state"] == "completed"
+    bare = post(base, "/pay", "bare-token_1.~", {"intent": "b"})
+    assert bare.status_code == 201 and ("acct", "bare-token_1.~", "completed") in keys_of(dsn)
+
+
+def test_request_and_response_limits(served: tuple[str, str, str]) -> None:
+    adapter, base, dsn = served
+    at_limit = json.dumps({"intent": "at", "pad": "y" * (MAX_REQUEST - 30)}).encode()
+    at_limit += b" " * (MAX_REQUEST - len(at_limit))
+    assert len(at_limit) == MAX_REQUEST
+    assert post(base, "/pay", "at", None, raw=at_limit).status_code == 201
+    problem(post(base, "/pay", "over", None, raw=at_limit + b" "), 413, str(MAX_REQUEST))
+    if adapter not in ("django", "django-mw"):  # Django's WSGI server reads no chunked body
+
+        def chunks() -> Iterator[bytes]:
+            yield at_limit
+            yield b" " * 10
+
+        problem(post(base, "/pay", "chunked", None, raw=chunks()), 413)
+    # an answer over the limit: 507, not stored, the write rolled back, the key released
+    too_big = post(base, "/pay", "big", {"intent": "big", "size": MAX_RESPONSE + 1})
+    problem(too_big, 507, str(MAX_RESPONSE))
+    assert ledger(dsn, "big") == 0
+    assert ("acct", "big", "released") in keys_of(dsn)
+    small = post(base, "/pay", "big", {"intent": "big", "size": 10})
+    assert small.status_code == 201 and ledger(dsn, "big") == 1
+    assert {k for _, k, _ in keys_of(dsn)} == {"at", "big"}  # nothing claimed for 413s
+
+
+def test_per_route_fingerprint(served: tuple[str, str, str]) -> None:
+    adapter, base, dsn = served
+    body = {"intent": "p", "amount": 50, "sent_at": "12:00:00", "trace": {"id": "t1", "n": 1}}
+    assert post(base, "/pay", "p1", body).status_code == 201
+    # another timestamp and trace id: the same request, a replay
+    same = post(base, "/pay", "p1", {**body, "sent_at": "12:00:05",
+                                     "trace": {"id": "t2", "n": 1}})
+    assert same.status_code == 201 and same.headers["idempotent-replayed"] == "true"
+    # another trace.n (not excluded) or amount: another request
+    problem(post(base, "/pay", "p1", {**body, "trace": {"id": "t1", "n": 2}}), 422)
+    problem(post(base, "/pay", "p1", {**body, "amount": 51}), 422)
+    # /only counts the amount alone
+    assert post(base, "/only", "o1", {"intent": "o", "amount": 5, "note": "a"}).status_code == 201
+    replay = post(base, "/only", "o1", {"intent": "o", "amount": 5, "note": "b"})
+    assert replay.headers["idempotent-replayed"] == "true"
+    problem(post(base, "/only", "o1", {"intent": "o", "amount": 6}), 422)
+    assert ledger(dsn, "p") == 1 and ledger(dsn, "o") == 1
+
+
+def test_route_contract() -> None:
+    settings = contract.Settings(lease=30)
+    routes = contract.Routes({"POST /a": Route("optional", lease=timedelta(seconds=90)),
+                              "POST /b": {"fingerprint_fields": ["x.y"]}, "POST /c": "required"})
+    assert routes.route("POST", "/a").lease_of(settings) == timedelta(seconds=90)
+    assert routes.route("POST", "/c").lease_of(settings) == 30
+    assert routes.policy("POST", "/b") is contract.Policy.REQUIRED
+    assert routes.policy("POST", "/z") is contract.Policy.IGNORED
+    b = routes.route("POST", "/b")
+    assert b.body_for_fingerprint({"x": {"y": 1, "z": 2}, "w": 3}) == {"x": {"y": 1}}
+    assert b.body_for_fingerprint([1, 2]) == [1, 2]  # not an object: counts whole
+    with pytest.raises(ValueError, match="list of field names"):
+        Route(fingerprint_fields="amount")
+    with pytest.raises(ValueError, match="policy"):
+        Route("sometimes")
+    with pytest.raises(ValueError, match="max_request_bytes"):
+        contract.Settings(max_request_bytes=0)
+
+
+# -- memory per call: the ASGI middleware keeps nothing past the limits ----------------------
+
+def test_asgi_memory_is_bounded_at_and_over_the_limits(db: str) -> None:
+    limit = 1048576  # the defaults
+    chunk = 65536
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        body = b""
+        while True:
+            message = await receive()
+            body += message.get("body", b"")
+            if not message.get("more_body"):
+                break
+        size = json.loads(body)["answer"]
+        await send({"type": "http.response.start", "status": 201,
+                    "headers": [(b"content-type", b"application/octet-stream")]})
+        sent = 0
+        while sent < size:  # streamed in chunks: 16 MB over the limit must not be kept
+            part = min(chunk, size - sent)
+            sent += part
+            await send({"type": "http.response.body", "body": b"z" * part,
+                        "more_body": sent < size})
+
+    async def call(mw: Any, key: str, request_size: int, answer: int) -> tuple[int, int]:
+        head = json.dumps({"answer": answer}).encode()
+        payload = head + b" " * max(0, request_size - len(head))
+        parts = [payload[i:i + chunk] for i in range(0, len(payload), chunk)]
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            part = parts.pop(0) if parts else b""
+            return {"type": "http.request", "body": part, "more_body": bool(parts)}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = {"type": "http", "method": "POST", "path": "/m", "query_string": b"",
+                 "headers": [(b"idempotency-key", key.encode()),
+                             (b"content-type", b"application/json")]}
+        tracemalloc.start()
+        tracemalloc.reset_peak()
+        await mw(scope, receive, send)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        return sent[0]["status"], peak
+
+    async def run() -> dict[str, tuple[int, int]]:
+        async with AsyncConnectionPool(db, min_size=1, max_size=3) as pool:
+            mw = pg_asgi.IdempotencyMiddleware(app, pool=pool, scope=lambda r: "acct",
+                                               routes={"POST /m": "required"})
+            return {
+                "request at limit": await call(mw, "r1", limit, 10),
+                "request over (chunked, 16 MB)": await call(mw, "r2", 16 * limit, 10),
+                "answer at limit": await call(mw, "a1", 100, limit),
+                "answer over (16 MB)": await call(mw, "a2", 100, 16 * limit),
+            }
+
+    results = asyncio.run(run())
+    print({k: (s, f"{p / 1048576:.1f} MB") for k, (s, p) in results.items()})
+    assert [s for s, _ in results.values()] == [201, 413, 201, 507]
+    # traced from the call on (the test's own payload is built before): the middleware's
+    # buffers, the claim and the complete; 16 MB past either limit adds nothing
+    assert results["answer over (16 MB)"][1] < 4 * limit, results
+    assert results["request over (chunked, 16 MB)"][1] < 2 * limit, results
+    assert results["answer at limit"][1] < 8 * limit, results  # ~6.5 MB measured: copies
+    assert results["request at limit"][1] < 6 * limit, results
+    assert ledger_keys(db) == {"r1": "completed", "a1": "completed", "a2": "released"}
+
+
+def ledger_keys(dsn: str) -> dict[str, str]:
+    with psycopg.connect(dsn) as conn:
+        return dict(conn.execute("SELECT key, state::text FROM idempotency.keys").fetchall())
