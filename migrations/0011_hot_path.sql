@@ -1265,7 +1265,9 @@ DECLARE
     v_oldest timestamptz;
     v_oldest_expired timestamptz;
     v_next_drop timestamptz;
-    v_run idempotency.maintenance_runs;
+    -- A record, not idempotency.maintenance_runs: that table is the coordinator's alone, and a
+    -- row type naming it would fail to compile on a worker before IK022 could be raised.
+    v_run record;
     v_count bigint;
 BEGIN
     PERFORM idempotency._require_coordinator('idempotency.metrics');
@@ -1707,7 +1709,8 @@ BEGIN
                 WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
                 ORDER BY p.lower_bound DESC
             LOOP
-                EXECUTE format('SELECT EXISTS (SELECT FROM idempotency.%I)',
+                -- (SELECT 1: Citus plans "SELECT FROM" a distributed table as a record.)
+                EXECUTE format('SELECT EXISTS (SELECT 1 FROM idempotency.%I)',
                                v_part.partition_name)
                 INTO v_found;
                 IF v_found THEN

@@ -98,7 +98,8 @@ BEGIN
                 WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
                 ORDER BY p.lower_bound DESC
             LOOP
-                EXECUTE format('SELECT EXISTS (SELECT FROM idempotency.%I)',
+                -- (SELECT 1: Citus plans "SELECT FROM" a distributed table as a record.)
+                EXECUTE format('SELECT EXISTS (SELECT 1 FROM idempotency.%I)',
                                v_part.partition_name)
                 INTO v_found;
                 IF v_found THEN

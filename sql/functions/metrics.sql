@@ -35,7 +35,9 @@ DECLARE
     v_oldest timestamptz;
     v_oldest_expired timestamptz;
     v_next_drop timestamptz;
-    v_run idempotency.maintenance_runs;
+    -- A record, not idempotency.maintenance_runs: that table is the coordinator's alone, and a
+    -- row type naming it would fail to compile on a worker before IK022 could be raised.
+    v_run record;
     v_count bigint;
 BEGIN
     PERFORM idempotency._require_coordinator('idempotency.metrics');
