@@ -54,6 +54,8 @@ NAMES = ["k1", "k2", "k3", "pay-1", "a", "b", None, "", " ", "x" * 255, "x" * 25
 SCOPES = ["a", "b", "a", "b", None, "", "x" * 256, "\u0085", "🙂"]
 JSONS = ['{}', '{"amount": 1}', '{"amount": 1.0}', '[]', 'null', '"s"', '1e300', '0e-16384',
          None, '{"a":', 'NaN', deep(128), deep(129), deep(600), '{"a": "' + "y" * 200_000 + '"}',
+         # Over the 1 MiB default of settings.max_request_bytes / max_response_bytes: IK018.
+         '{"a": "' + "z" * 1_100_000 + '"}',
          '{"\\u0000": 1}', '{"a": 1, "a": 2}', '{"k": "é🙂\\u202e"}', '1e131072']
 HEADERS = ['{}', '{"Location": "/p/1"}', '[]', '{"": "x"}', '{"a b": "x"}', '{"X": 1}', None,
            '{"X": "a\\nb"}', '"s"']
@@ -248,6 +250,6 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
     # The fuzz reached both sides: successes and refusals of several kinds.
     assert seen.get("ok", 0) > FUZZ_CALLS // 20, seen
     assert failures > FUZZ_CALLS // 4, seen
-    assert {"IK001", "IK003", "IK004", "IK010", "IK011", "IK012", "42501",
+    assert {"IK001", "IK003", "IK004", "IK010", "IK011", "IK012", "IK018", "42501",
             "claim:replay"} <= set(seen), seen
     print(f"fuzz seed {SEED}: {FUZZ_CALLS} calls, {seen}")
