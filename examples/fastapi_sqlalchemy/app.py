@@ -1,8 +1,9 @@
 """Payments with FastAPI and SQLAlchemy 2 async sessions: the ORM's writes and the stored
 response commit together, through pg_idempotency's middleware.
 
-    pip install 'pg-idempotency[asgi,sqlalchemy]' fastapi uvicorn
-    pg-idempotency migrate --dsn "$DATABASE_URL"
+    pip install '.[asgi,sqlalchemy,binary]' fastapi uvicorn     # in the clone
+    pg-idempotency migrate --dsn "$OWNER_URL"     # as the schema owner, who makes the table
+                                                  # and the application's role: docs/sqlalchemy.md
     DATABASE_URL=postgresql://... python examples/fastapi_sqlalchemy/app.py   # 127.0.0.1:8001
 
     curl -X POST localhost:8001/payments -H 'X-Account: acct_42' \\
@@ -124,4 +125,5 @@ def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0, pool_size: 
 if __name__ == "__main__":
     import uvicorn
 
-    uvicorn.run(create_app(os.environ["DATABASE_URL"]), host="127.0.0.1", port=8001)
+    uvicorn.run(create_app(os.environ["DATABASE_URL"]), host="127.0.0.1",
+                port=int(os.environ.get("PORT", "8001")))

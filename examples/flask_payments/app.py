@@ -1,8 +1,9 @@
 """A payments service in Flask: the code of docs/flask.md, as one file.
 
-    pip install 'pg-idempotency[flask,binary]'
-    pg-idempotency migrate --dsn "$DATABASE_URL"
-    DATABASE_URL=... flask --app examples/flask_payments/app.py run
+    pip install '.[flask,binary]'                       # in the clone
+    pg-idempotency migrate --dsn "$OWNER_URL"           # as the schema owner, who also makes
+                                                        # the ledger table (docs/flask.md)
+    DATABASE_URL=... flask --app examples/flask_payments/app.py run   # the application role
 
     curl -X POST localhost:5000/payments -H 'X-Account: acct_42' \\
          -H 'Idempotency-Key: order-7f3a' -H 'Content-Type: application/json' \\
@@ -27,7 +28,7 @@ from pg_idempotency.flask import Idempotency, get_operation
 
 # One row per payment: the retry storm of tests/test_http_adapters.py counts them.
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS ledger (
+CREATE TABLE ledger (
     payment_id text PRIMARY KEY,
     account text NOT NULL, amount integer NOT NULL CHECK (amount > 0), currency text NOT NULL
 )
@@ -39,11 +40,19 @@ def caller_account(req: Request) -> str | None:
     return req.headers.get("X-Account")
 
 
-def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0,
+def create_app(dsn: str | None = None, *, wait: float = 10.0, lease: float = 30.0,
                pool_size: int = 10) -> Flask:
-    pool = ConnectionPool(dsn, min_size=1, max_size=pool_size, open=True)
+    """The app, on DATABASE_URL unless dsn is given (`flask --app app.py run` calls it so)."""
+    if dsn is None and "DATABASE_URL" not in os.environ:
+        raise RuntimeError("set DATABASE_URL to the application role's connection string")
+    pool = ConnectionPool(dsn or os.environ["DATABASE_URL"], min_size=1, max_size=pool_size,
+                          open=True)
     with pool.connection() as conn:
-        conn.execute(SCHEMA)
+        # The table is the schema owner's to make: the application's role has no CREATE on
+        # the schema, and CREATE TABLE IF NOT EXISTS asks for it even when the table exists.
+        # Made here only where it is missing (a sandbox whose role owns the schema).
+        if conn.execute("SELECT to_regclass('ledger')").fetchone()[0] is None:
+            conn.execute(SCHEMA)
     # wait: a retry that finds the first attempt still running waits for its answer (then
     # replays it) up to this many seconds before a 409.
     idem = Idempotency(pool, scope=caller_account, wait=wait, lease=lease)
@@ -73,4 +82,4 @@ def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0,
 
 
 if __name__ == "__main__":
-    create_app(os.environ.get("DATABASE_URL", "dbname=payments")).run(port=5000)
+    create_app().run(port=5000)
