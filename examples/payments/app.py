@@ -1,6 +1,6 @@
 """A payments service: the whole pg_idempotency pattern in one FastAPI app.
 
-    pip install 'pg-idempotency[asgi,jobs]' fastapi uvicorn
+    pip install '.[asgi,jobs]' fastapi uvicorn      # in the clone
     pg-idempotency migrate --dsn "$DATABASE_URL"
     DATABASE_URL=... python examples/payments/app.py          # listens on 127.0.0.1:8000
 

@@ -113,8 +113,9 @@ def cmd_demo(args: argparse.Namespace, conn: psycopg.Connection | None) -> int:
     try:
         from . import demo
     except ImportError as exc:
-        raise CliError(f"the demo needs the 'demo' extra (missing: {exc.name}): "
-                       "pip install 'pg-idempotency[demo]'") from None
+        raise CliError(f"the demo needs the 'demo' extra (missing: {exc.name}): in the "
+                       "clone, pip install '.[demo]' (or the wheel of make dist, with [demo])"
+                       ) from None
     try:
         return demo.run(args.dsn or os.environ["DATABASE_URL"], conn, clients=args.clients,
                         payments_each=args.payments, seed=args.seed, as_json=args.json)

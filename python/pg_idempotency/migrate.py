@@ -90,8 +90,8 @@ def _folder() -> Traversable:
     if not folder.is_dir():
         raise MigrationError(
             "the pg_idempotency package has no bundled migrations/ directory "
-            "(install the package, e.g. pip install ./pg_idempotency from a checkout, rather "
-            "than importing python/ from a source checkout)"
+            "(install the package, e.g. pip install . in the clone, rather than importing "
+            "python/ from the source tree)"
         )
     return folder
 
