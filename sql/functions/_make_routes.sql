@@ -247,11 +247,16 @@ BEGIN
                 || E'\n    SELECT d.created_at INTO %1$s.created_at'
                 || E'\n    FROM idempotency.key_directory AS d'
                 || E'\n    WHERE d.scope = %1$s.scope'
-                || E'\n      AND d.key_hash = sha256(convert_to(%1$s.key, ''UTF8''));%3$s'
+                || E'\n      AND d.key_hash = sha256(convert_to(%1$s.key, ''UTF8''));'
+                -- A key absent from the directory probes the partition of the guess's time,
+                -- as an existing one probes its own: without a probe it answered ~12 us
+                -- sooner, an oracle for a wrong token (docs/design.md; H6's measurement).
+                || E'\n    %1$s.created_at := coalesce(%1$s.created_at, %1$s.%4$s);%3$s'
                 || E'\n    END IF;',
                 v_fn, v_lookup,
                 CASE WHEN v_branches = '' THEN ''
-                     ELSE E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;' END);
+                     ELSE E'\n    PERFORM FROM ONLY idempotency.keys AS parent WHERE false;' END,
+                v_routes[i][5]);
         END IF;
         IF v_branches <> '' THEN
             -- The lock on the parent comes before the branches' to_regclass tests: a DROP or

@@ -63,6 +63,9 @@ BEGIN
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
     WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
+    -- An absent key probes the partition of now, as an existing key probes its own: no
+    -- timing difference for a wrong token to read (docs/design.md).
+    v_created_at := coalesce(v_created_at, v_now);
 
     -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
     -- expiry (no lease given) keeps the lease as it is.
