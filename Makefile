@@ -102,7 +102,8 @@ deb-deps:
 	  echo "apt-get install:$$missing"; \
 	  $(SUDO) apt-get update -qq; \
 	  $(SUDO) env DEBIAN_FRONTEND=noninteractive \
-	    apt-get install -y -qq --no-install-recommends $$missing; \
+	    apt-get install -y -qq --no-install-recommends $$missing \
+	    || { echo "make: could not install the Debian packages:$$missing"; exit 1; }; \
 	fi
 
 # Not editable on purpose: the wheel force-includes migrations/, as users get it.
