@@ -194,7 +194,7 @@ bench: setup
 # here), with build and hatchling from .venv (no download), and build/extension/ as a tarball.
 dist: $(WHEEL) $(EXT_TARBALL)
 $(WHEEL): $(WHEEL_INPUTS) $(wildcard CHANGELOG.md) | $(STAMP)
-	rm -rf dist/pg_idempotency-$(PKG_VERSION)*
+	rm -rf dist/pg_idempotency-$(PKG_VERSION)* && mkdir -p build
 	$(PY) -m build --no-isolation --outdir dist . > build/dist.log 2>&1 || { cat build/dist.log; exit 1; }
 	@ls dist/pg_idempotency-$(PKG_VERSION)*
 $(EXT_TARBALL): build-ext
