@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tools"))
 import release  # noqa: E402
 
-import build  # noqa: E402
+build = release.build  # tools/build.py
 
 
 def test_version_agrees_everywhere() -> None:

@@ -23,16 +23,30 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import re
 import subprocess
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import tomllib
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tools"))
-import build  # noqa: E402  (tools/build.py: VERSIONS, frozen(), freeze())
+
+
+def _load_build() -> ModuleType:
+    """tools/build.py (VERSIONS, frozen(), freeze()), loaded from its path: the name `build`
+    is also pypa's build frontend, which make dist installs."""
+    spec = importlib.util.spec_from_file_location("pg_idempotency_tools_build",
+                                                  ROOT / "tools" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+build = _load_build()
 
 CHANGELOG = ROOT / "CHANGELOG.md"
 SECTION_RE = re.compile(r"^## (\d+\.\d+\.\d+) \((unreleased|\d{4}-\d{2}-\d{2})\)$", re.M)
