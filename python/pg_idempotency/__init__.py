@@ -55,6 +55,7 @@ from .errors import (
     LeaseLostCompleted,
     LeaseLostNotFound,
     PgCronNotInstalled,
+    ScopeNotGranted,
     UsageError,
 )
 from .fingerprint import canonical_json, derive_key, fingerprint
@@ -69,7 +70,7 @@ __all__ = [
     "DatabaseUnavailable", "IdempotencyError",
     "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
     "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound", "Operation",
-    "Outcome", "PgCronNotInstalled", "StoredResponse", "UsageError", "accept",
+    "Outcome", "PgCronNotInstalled", "ScopeNotGranted", "StoredResponse", "UsageError", "accept",
     "allow_prepared_statements",
     "canonical_json", "checkpoint", "claim", "complete", "derive_key", "fingerprint",
     "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation", "release",

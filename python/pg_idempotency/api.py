@@ -18,7 +18,13 @@ from typing import Any
 import psycopg
 
 from . import core
-from .core import DEFAULT_LEASE, OperationCore, StoredResponse
+from .core import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_HEADERS_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    OperationCore,
+    StoredResponse,
+)
 from .fingerprint import derive_key
 
 __all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
@@ -84,15 +90,23 @@ class Operation:
 
 def operation(conn: psycopg.Connection[Any], scope: str, key: str, request: Any = None, *,
               lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
-              reference_time: datetime | None = None) -> Operation:
+              reference_time: datetime | None = None,
+              max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+              max_headers_bytes: int = DEFAULT_MAX_HEADERS_BYTES) -> Operation:
     """``with operation(conn, scope, key, request) as op:`` claims the key (committed on its
     own), then runs the block in a transaction on ``conn``. Raises
     :class:`~pg_idempotency.errors.KeyMismatch` (422) or
     :class:`~pg_idempotency.errors.KeyInProgress` (409) on entry; ``op.replay`` is the stored
-    response when the key was completed before. ``conn`` must be idle (no open transaction)."""
+    response when the key was completed before. ``conn`` must be idle (no open transaction).
+    ``op.complete()`` raises :class:`~pg_idempotency.errors.ArgumentTooLarge` (IK018) for a
+    body over ``max_response_bytes`` or headers over ``max_headers_bytes`` (the server's
+    defaults) before sending anything, and ends the operation as an exception would (rolled
+    back, key released)."""
     core.refuse_managed(conn)
     return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
-                                   reference_time=reference_time), conn)
+                                   reference_time=reference_time,
+                                   max_response_bytes=max_response_bytes,
+                                   max_headers_bytes=max_headers_bytes), conn)
 
 
 def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200

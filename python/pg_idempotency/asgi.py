@@ -252,7 +252,8 @@ class IdempotencyMiddleware:
             await held.enter_async_context(self._holder_slots())
             conn = await held.enter_async_context(self.pool.connection())
             op = aio.operation(conn, keyed.scope, key, None, fingerprint=digest,
-                               lease=keyed.lease)
+                               lease=keyed.lease,
+                               max_response_bytes=self.settings.max_response_bytes)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 await op.__aenter__()  # its claim_result says which
             return op.claim_result  # type: ignore[no-any-return]

@@ -33,6 +33,7 @@ from . import queries as Q
 from . import telemetry
 from .errors import (
     AlreadyCompleted,
+    ArgumentTooLarge,
     DatabaseUnavailable,
     KeyExpired,
     KeyInProgress,
@@ -40,6 +41,7 @@ from .errors import (
     KeyNotFound,
     LeaseLost,
     UsageError,
+    argument_too_large,
     connection_lost,
     from_psycopg,
     invalid_argument,
@@ -51,6 +53,11 @@ T = TypeVar("T")
 
 #: The engine's default lease (claim's ``lease DEFAULT '30 seconds'``).
 DEFAULT_LEASE = timedelta(seconds=30)
+#: operation()'s default limits (bytes) on what ``op.complete()`` stores, the engine's defaults
+#: (idempotency.settings.max_response_bytes and max_headers_bytes): a body or headers over
+#: them raise ArgumentTooLarge (IK018) before anything is sent.
+DEFAULT_MAX_RESPONSE_BYTES = 1048576
+DEFAULT_MAX_HEADERS_BYTES = 16384
 
 #: The package's one logger (docs/python.md, "Logging"). Its lines carry :func:`key_hash`,
 #: never the raw key, a request or a body; every call is behind ``isEnabledFor``, so a
@@ -758,7 +765,16 @@ class OperationCore:
 
     def __init__(self, scope: str, key: str, request: Any = None, *,
                  lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
-                 reference_time: datetime | None = None) -> None:
+                 reference_time: datetime | None = None,
+                 max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+                 max_headers_bytes: int = DEFAULT_MAX_HEADERS_BYTES) -> None:
+        for name, value in (("max_response_bytes", max_response_bytes),
+                            ("max_headers_bytes", max_headers_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UsageError(f"operation(): {name} must be a whole number of bytes, at "
+                                 f"least 1, not {value!r}")
+        self.max_response_bytes = max_response_bytes
+        self.max_headers_bytes = max_headers_bytes
         self.scope = scope
         self.key = key
         self._request = request
@@ -871,11 +887,17 @@ class OperationCore:
     def g_complete(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
                    content_type: str | None = None) -> _Gen[StoredResponse]:
         token = self._owner_token("complete()")
-        # complete and COMMIT in one round trip (a pipeline): nothing runs between them anyway
-        row = yield from _fenced(
-            _complete_query(self.scope, self.key, token, status, body, headers, content_type,
-                            self._reference_time, commit=True),
-            self.scope, self.key, "complete", {"status": status})
+        q = _complete_query(self.scope, self.key, token, status, body, headers, content_type,
+                            self._reference_time, commit=True)
+        too_large = self._too_large(q, headers)
+        if too_large is not None:
+            # Never half-stored: nothing is sent; the business transaction rolls back and the
+            # key is released (kept in progress after a side effect), as when the block
+            # raises, so that a caller catching the error cannot commit the writes without it.
+            yield from self.g_exit(too_large)
+            raise too_large
+        # complete and COMMIT in one round trip: nothing runs between them anyway
+        row = yield from _fenced(q, self.scope, self.key, "complete", {"status": status})
         completed_at = load_time(row["completed_at"])
         self._done = True
         is_bytes = isinstance(body, (bytes, bytearray, memoryview))
@@ -891,6 +913,32 @@ class OperationCore:
                                        body_bytes=stored, content_type=content_type,
                                        completed_at=completed_at)
         return self.response
+
+    def _too_large(self, q: _Query, headers: Mapping[str, str] | None
+                   ) -> ArgumentTooLarge | None:
+        """IK018 for complete's body (the bytes stored: a JSON value as it serializes) over
+        ``max_response_bytes`` or its headers (their canonical JSON text) over
+        ``max_headers_bytes``, else None."""
+        fn = "idempotency.complete_bytes" if q.sql == Q.COMPLETE_BYTES else "idempotency.complete"
+        hint = ("Nothing was sent: the business transaction was rolled back and the key "
+                "released (kept in progress after a checkpoint or a derived key). Store a "
+                "smaller answer, or raise the limit given to operation() together with the "
+                "server's settings (docs/python.md, \"Limits\").")
+        body = q.params.get("body")
+        if isinstance(body, bytes) and len(body) > self.max_response_bytes:
+            return argument_too_large(fn, "body", len(body), self.max_response_bytes,
+                                      "max_response_bytes of operation()", hint)
+        if headers:
+            # A cheap bound first (a character is at most 6 bytes of JSON text: \u00XX), so
+            # ordinary headers are not serialized twice.
+            bound = 2 + sum(6 * (len(str(k)) + len(str(v))) + 6
+                            for k, v in headers.items())
+            if bound > self.max_headers_bytes:
+                size = len(canonical_json(dict(headers)).encode())
+                if size > self.max_headers_bytes:
+                    return argument_too_large(fn, "headers", size, self.max_headers_bytes,
+                                              "max_headers_bytes of operation()", hint)
+        return None
 
     def g_accept(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
                  lease: timedelta | float | None = None) -> _Gen[StoredResponse]:

@@ -29,6 +29,8 @@ psycopg raised them.
     ├── PgCronNotInstalled        IK020
     ├── CitusNotInstalled         IK021 (idempotency.distribute() without Citus)
     ├── CitusNotCoordinator       IK022 (idempotency.distribute() on a Citus worker)
+    ├── ScopeNotGranted           IK023 (takeover / list_abandoned by a completer limited to
+    │                             other scopes)
     ├── DatabaseUnavailable       the database cannot be reached: SQLSTATE class 08, 57P01..57P03,
     │                             or a lost / refused connection (no SQLSTATE)
     └── UsageError                the Python API was used wrongly (no SQLSTATE)
@@ -47,8 +49,8 @@ __all__ = [
     "ArgumentNull", "ArgumentOutOfRange", "ArgumentTooLong", "ArgumentWrongType",
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
-    "PgCronNotInstalled", "UsageError", "connection_lost", "from_psycopg",
-    "invalid_argument", "is_unavailable",
+    "PgCronNotInstalled", "ScopeNotGranted", "UsageError", "argument_too_large",
+    "connection_lost", "from_psycopg", "invalid_argument", "is_unavailable",
 ]
 
 
@@ -212,6 +214,16 @@ class CitusNotCoordinator(IdempotencyError):
     sqlstate = "IK022"
 
 
+class ScopeNotGranted(IdempotencyError):
+    """IK023: the calling role is a completer limited to some scopes (``grant_usage(...,
+    kind => 'completer', scopes => ...)``) and ``takeover`` or ``list_abandoned`` was called
+    for another scope (or, for list_abandoned, for every scope), or the role reaches no
+    completer grant at all. Nothing was read or changed: call it for a scope of the role's
+    grant, or have the schema owner grant the scope."""
+
+    sqlstate = "IK023"
+
+
 #: Seconds a client should wait before retrying after :class:`DatabaseUnavailable` (the HTTP
 #: adapters' ``Retry-After``, see ``contract.Settings.unavailable_retry_after``).
 DEFAULT_UNAVAILABLE_RETRY_AFTER = 1.0
@@ -252,6 +264,7 @@ _BY_SQLSTATE: dict[str, type[IdempotencyError]] = {
     "IK020": PgCronNotInstalled,
     "IK021": CitusNotInstalled,
     "IK022": CitusNotCoordinator,
+    "IK023": ScopeNotGranted,
 }
 #: A lease-token call's IK003/IK004: the same condition seen by an attempt that held the key.
 _LEASE_LOST_BY_SQLSTATE: dict[str, type[LeaseLost]] = {
@@ -282,6 +295,17 @@ def invalid_argument(function: str, argument: str | None, sqlstate: str,
     is not one of IK010..IK017)."""
     cls = _INVALID_BY_SQLSTATE.get(sqlstate, InvalidArgument)
     return cls(function, argument, sqlstate, problem)
+
+
+def argument_too_large(function: str, argument: str, size: int, limit: int, setting: str,
+                       hint: str) -> ArgumentTooLarge:
+    """IK018 in the engine's words (idempotency._check_size) for a value the package refuses
+    before sending it: ``size`` bytes against ``limit``, the one named ``setting``."""
+    error = invalid_argument(function, argument, "IK018", "is too large")
+    assert isinstance(error, ArgumentTooLarge)
+    error.detail = f"It is {size} bytes; the limit ({setting}) is {limit} bytes."
+    error.hint = hint
+    return error
 
 
 def is_unavailable(exc: BaseException) -> bool:

@@ -135,7 +135,8 @@ class _Keyed:
         def claim() -> ClaimResult:
             nonlocal op
             op = api.operation(held.enter_context(self.pool.connection()), keyed.scope, key,
-                               None, fingerprint=digest, lease=keyed.lease)
+                               None, fingerprint=digest, lease=keyed.lease,
+                               max_response_bytes=self.settings.max_response_bytes)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 op.__enter__()  # its claim_result says which
             return op.claim_result  # type: ignore[no-any-return]

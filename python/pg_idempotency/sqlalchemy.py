@@ -54,7 +54,13 @@ from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
 from . import aio, contract, core
-from .core import DEFAULT_LEASE, OperationCore, StoredResponse
+from .core import (
+    DEFAULT_LEASE,
+    DEFAULT_MAX_HEADERS_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    OperationCore,
+    StoredResponse,
+)
 from .errors import UsageError
 
 try:  # for FastAPI's dependency injection of request_session(request: Request)
@@ -321,23 +327,31 @@ class AsyncSessionOperation(_Common):
 
 def operation(session: Session, scope: str, key: str, request: Any = None, *,
               lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
-              reference_time: datetime | None = None) -> SessionOperation:
+              reference_time: datetime | None = None,
+              max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+              max_headers_bytes: int = DEFAULT_MAX_HEADERS_BYTES) -> SessionOperation:
     """``with operation(session, scope, key, request) as op:`` claims the key and commits the
     claim on its own, then runs the block in the session's next transaction; ``op.complete()``
     commits the ORM writes and the response together. Same outcomes and exceptions as
     :func:`pg_idempotency.operation`. The session must not be in a transaction on entry."""
     return SessionOperation(OperationCore(scope, key, request, lease=lease,
                                           fingerprint=fingerprint,
-                                          reference_time=reference_time), session)
+                                          reference_time=reference_time,
+                                          max_response_bytes=max_response_bytes,
+                                          max_headers_bytes=max_headers_bytes), session)
 
 
 def aoperation(session: AsyncSession, scope: str, key: str, request: Any = None, *,
                lease: timedelta | float = DEFAULT_LEASE, fingerprint: bytes | None = None,
-               reference_time: datetime | None = None) -> AsyncSessionOperation:
+               reference_time: datetime | None = None,
+               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
+               max_headers_bytes: int = DEFAULT_MAX_HEADERS_BYTES) -> AsyncSessionOperation:
     """:func:`operation` for an ``AsyncSession``: ``async with aoperation(...) as op:``."""
     return AsyncSessionOperation(OperationCore(scope, key, request, lease=lease,
                                                fingerprint=fingerprint,
-                                               reference_time=reference_time), session)
+                                               reference_time=reference_time,
+                                               max_response_bytes=max_response_bytes,
+                                               max_headers_bytes=max_headers_bytes), session)
 
 
 # -- an AsyncSession inside an aio.Operation's transaction (the middleware's) ---------------
