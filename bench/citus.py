@@ -78,14 +78,37 @@ DISTRIBUTE_LEDGER = ("SELECT create_distributed_table('bench_ledger', 'scope', "
                      "colocate_with => 'idempotency.keys')")
 LEDGER_INSERT = "INSERT INTO bench_ledger (scope, key, amount) VALUES (%s, %s, 50)"
 
+# The recipe a user writes instead (issue 32, target 5): a key table of their own, distributed
+# by tenant (the scope) and co-located with idempotency.keys, written by the client's two
+# statements (INSERT ... ON CONFLICT DO NOTHING RETURNING, UPDATE with the answer). created_at
+# counts the pairs made in a measuring window, as claim's does for ours.
+RECIPE_SQL = """
+CREATE TABLE recipe_keys (scope text NOT NULL, key text NOT NULL, request_hash bytea,
+                          status text, response_code integer, response_body jsonb,
+                          created_at timestamptz NOT NULL DEFAULT clock_timestamp(),
+                          PRIMARY KEY (scope, key));
+"""
+DISTRIBUTE_RECIPE = ("SELECT create_distributed_table('recipe_keys', 'scope', "
+                     "colocate_with => 'idempotency.keys')")
+_HASH = "'\\x" + "ab" * 32 + "'::bytea"
+RECIPE_SCRIPT = f"""\\set s random(1, 1000)
+\\set k random(1, 1000000000000)
+INSERT INTO recipe_keys (scope, key, request_hash, status)
+VALUES (:s::text, 'k' || :k, {_HASH}, 'in_progress') ON CONFLICT DO NOTHING RETURNING 1;
+UPDATE recipe_keys SET status = 'completed', response_code = 201,
+    response_body = '{{"id": "ch_1"}}'::jsonb
+WHERE scope = :s::text AND key = 'k' || :k;
+"""
+
 # claim + complete as the package sends them (queries.CLAIM / queries.COMPLETE: named notation,
-# the call in FROM), trimmed to the columns the script needs. The scope is a bare parameter:
-# Citus delegates a call whose distribution argument is a constant or a parameter.
+# the call in FROM; the request's fingerprint computed by the client, request NULL), trimmed to
+# the columns the script needs. The scope is a bare parameter: Citus delegates a call whose
+# distribution argument is a constant or a parameter.
 PGBENCH_SCRIPT = """\\set s random(1, 1000)
 \\set k random(1, 1000000000000)
 SELECT lease_token AS tok FROM idempotency.claim(
-    scope => :s::text, key => 'k' || :k, request => '{"amount": 50, "currency": "EUR"}'::jsonb,
-    lease => '30 seconds'::interval, fingerprint => NULL::bytea, strict => false,
+    scope => :s::text, key => 'k' || :k, request => NULL::jsonb,
+    lease => '30 seconds'::interval, fingerprint => """ + _HASH + """, strict => false,
     reference_time => NULL::timestamptz) \\gset
 SELECT extract(epoch FROM r)::text AS completed_at FROM idempotency.complete(
     scope => :s::text, key => 'k' || :k, lease_token => :tok::bigint, status => 201,
@@ -116,6 +139,7 @@ def install(server: pgharness.PgServer) -> None:
     for migration in sorted((ROOT / "migrations").glob("*.sql")):
         server.run_psql(server.dsn(DB), migration, args=MIGRATE_ARGS)
     server.run_psql(server.dsn(DB), LEDGER_SQL)
+    server.run_psql(server.dsn(DB), RECIPE_SQL)
 
 
 def setup(shards: int | None) -> tuple[CitusCluster, pgharness.PgServer, str]:
@@ -126,6 +150,7 @@ def setup(shards: int | None) -> tuple[CitusCluster, pgharness.PgServer, str]:
         done = conn.execute("SELECT object, action FROM idempotency.distribute(%s)",
                             (shards,)).fetchall()
         conn.execute(DISTRIBUTE_LEDGER)
+        conn.execute(DISTRIBUTE_RECIPE)
         citus = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'"
                              ).fetchone()[0]
         count = conn.execute("SELECT shard_count FROM citus_tables "
@@ -343,11 +368,11 @@ def stmt_stats(server: pgharness.PgServer) -> tuple[int, int, float, float]:
 
 def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharness.PgServer],
                   counter: pgharness.PgServer, script: Path, seconds: int, clients: int,
-                  ticks: int) -> dict:
+                  ticks: int, table: str = "idempotency.keys") -> dict:
     """One pgbench process per entry server (clients shared among them), run together;
     snapshots of the CPU and statement counters of every server in servers 1 s after the start
     and about 1.5 s before the end. The claim + complete pairs in that window are the keys
-    created in it (claim's created_at), counted through counter."""
+    created in it (claim's created_at, or the recipe's: ``table``), counted through counter."""
     procs = [subprocess.Popen(
         [str(entry.bindir / "pgbench"), "-n", "-M", "prepared",
          "-c", str(clients // len(entries)), "-j", str(max(2 // len(entries), 1)),
@@ -372,7 +397,7 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
         t2 = time.monotonic()
         for reader in readers:
             reader.join()
-        pairs = conn.execute("SELECT count(*) FROM idempotency.keys "
+        pairs = conn.execute(f"SELECT count(*) FROM {table} "  # noqa: S608 - our constant
                              "WHERE created_at >= %s AND created_at < %s", (c1, c2)).fetchone()[0]
     tps = 0.0
     for proc, out in zip(procs, outs, strict=True):
@@ -395,6 +420,8 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
 
 
 SIDES = ("single", "cluster", "workers")
+#: The recipe's two statements (RECIPE_SCRIPT), on one server and through the coordinator.
+RECIPE_SIDES = ("recipe single", "recipe cluster")
 
 
 def measure_throughput(cluster: CitusCluster, single: pgharness.PgServer, args) -> list[dict]:
@@ -411,20 +438,33 @@ def measure_throughput(cluster: CitusCluster, single: pgharness.PgServer, args) 
     sides = {"single": ([single], {"single": single}, single),
              "cluster": ([cluster.coordinator], nodes, cluster.coordinator),
              "workers": (cluster.workers, nodes, cluster.coordinator)}
+    sides["recipe single"] = sides["single"]
+    sides["recipe cluster"] = sides["cluster"]
     rounds = []
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "claim_complete.pgbench"
         script.write_text(PGBENCH_SCRIPT)
-        for entries, servers, counter in sides.values():  # warm up every side
-            pgbench_round(entries, servers, counter, script, 3, args.clients, ticks)
+        recipe = Path(tmp) / "recipe.pgbench"
+        recipe.write_text(RECIPE_SCRIPT)
+
+        def one(side: str, seconds: int) -> dict:
+            entries, servers, counter = sides[side]
+            if side in RECIPE_SIDES:
+                return pgbench_round(entries, servers, counter, recipe, seconds, args.clients,
+                                     ticks, table="recipe_keys")
+            return pgbench_round(entries, servers, counter, script, seconds, args.clients,
+                                 ticks)
+
+        for side in sides:  # warm up every side
+            one(side, 3)
         for i in range(1, args.rounds + 1):
-            result = {side: pgbench_round(entries, servers, counter, script, args.seconds,
-                                          args.clients, ticks)
-                      for side, (entries, servers, counter) in sides.items()}
+            result = {side: one(side, args.seconds) for side in sides}
             rounds.append(result)
             s, c, w = (result[side]["tps"] for side in SIDES)
+            rs, rc = (result[side]["tps"] for side in RECIPE_SIDES)
             print(f"  round {i}: single {s:6.0f} tps   via coordinator {c:6.0f} tps "
-                  f"({c / s:.2f})   via workers {w:6.0f} tps ({w / s:.2f})", flush=True)
+                  f"({c / s:.2f})   via workers {w:6.0f} tps ({w / s:.2f});  recipe: single "
+                  f"{rs:6.0f} tps, via coordinator {rc:6.0f} tps ({rc / rs:.2f})", flush=True)
     return rounds
 
 
@@ -488,10 +528,19 @@ def summarise(rounds: list[dict], cluster: CitusCluster, args, about: str) -> di
         "ratios": ratios, "ratio": {side: med(x) for side, x in ratios.items()},
         "cpu_us_per_pair": {
             "single server": per_pair(rounds, "single", ["single"]),
+            "all nodes": per_pair(rounds, "cluster", [*coord, *workers]),
             "coordinator": per_pair(rounds, "cluster", coord),
             "workers (sum)": per_pair(rounds, "cluster", workers),
             "workers, clients on them": per_pair(rounds, "workers", workers),
             "coordinator, clients on workers": per_pair(rounds, "workers", coord),
+        },
+        # The recipe's INSERT ... ON CONFLICT + UPDATE on its own table distributed by tenant,
+        # through the coordinator, against the same on one server (issue 32, target 5).
+        "recipe_cpu_us_per_pair": {
+            "single server": per_pair(rounds, "recipe single", ["single"]),
+            "all nodes": per_pair(rounds, "recipe cluster", [*coord, *workers]),
+            "coordinator": per_pair(rounds, "recipe cluster", coord),
+            "workers (sum)": per_pair(rounds, "recipe cluster", workers),
         },
         "exec_us": {"single": {c: exec_us("single", ["single"], c) for c in ("claim", "complete")},
                     "worker": {c: exec_us("cluster", workers, c) for c in ("claim", "complete")},
@@ -521,6 +570,16 @@ def print_summary(s: dict) -> None:
         print(f"  {name:<32s} {us:6.0f} µs ({per_core} pairs/s per core)  rounds "
               + ", ".join(f"{v:.0f}" for v in values))
     e = s["exec_us"]
+    r = s["recipe_cpu_us_per_pair"]
+    print("  the recipe's INSERT ... ON CONFLICT + UPDATE, per pair:")
+    for name, values in r.items():
+        print(f"  {name:<32s} {statistics.median(values):6.0f} µs  rounds "
+              + ", ".join(f"{v:.0f}" for v in values))
+    c = s["cpu_us_per_pair"]
+    added = [a - b for a, b in zip(c["all nodes"], c["single server"], strict=True)]
+    recipe_added = [a - b for a, b in zip(r["all nodes"], r["single server"], strict=True)]
+    print("  what Citus adds (all nodes - one server), ours / the recipe's per round: "
+          + ", ".join(f"{a:.0f} / {b:.0f} µs" for a, b in zip(added, recipe_added, strict=True)))
     print("  pg_stat_statements mean execution time (µs per call), through the coordinator:")
     for where in ("single", "worker", "coordinator"):
         print(f"    {where:<12s} claim {e[where]['claim']:6.0f}   complete "

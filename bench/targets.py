@@ -1,19 +1,31 @@
 #!/usr/bin/env python3
-"""Issue 22's targets (engine v3), each with its figure and met / not met.
+"""Issue 32's targets (engine v4: the price of a request in CPU), each with its per-round
+figures, their median and met / not met.
 
-Reads the --json files that the benchmarks wrote (it measures nothing itself) and prints one
-table; with --plot it also draws server statement time per HTTP request by variant.
+Reads the --json files that the benchmarks wrote to build/bench/ (it measures nothing itself)
+and prints one table; with --plot it also draws the server and the app CPU per request by
+variant (none, recipe, ours), for the operation() pattern and for each HTTP load.
 
-  http    bench/http.py --json:   ours (middleware) / recipe and / none, per round and median,
-                                  for statement time, WAL and throughput
-  run     bench/run.py --json:    pgbench engine / bare (durable) and engine / floor (fast)
-  citus   bench/citus.py --json:  workers' CPU per delegated claim + complete / one server's
+  operation   bench/operation.py --json:  the README's operation() pattern / the recipe
+  http        bench/http.py --json:       the middleware / the recipe and / none
+  run         bench/run.py --json:        pgbench engine / floor, fast
+  citus       bench/citus.py --json:      what Citus adds to claim + complete and to the
+                                          recipe's two statements; workers' CPU / one server's
+  partitions  bench/partitions.py --json: 100 partitions / 5, 10 M keys / an empty install
 
-    .venv/bin/python bench/targets.py [--http build/bench/http.json] [--run build/bench/run.json]
-                                      [--citus build/bench/citus.json] [--plot PATH]
+    .venv/bin/python bench/targets.py [--dir build/bench] [--plot PATH]
 
-After the targets, a "context" table that is not a target: the server CPU per HTTP request,
-ours / recipe, and pgbench's floor / bare (what any PL/pgSQL design gives up).
+The targets (issue 32; the engine v3 statement-time and WAL targets are retired, WAL and the
+statement time stay reported figures, printed as context):
+  1. server CPU per request ours / recipe <= 1.3: operation() and the middleware (fresh and
+     30% replays, 16 and 64 clients)
+  2. app CPU per request ours / recipe <= 1.2: the same (the Python process for operation(),
+     the uvicorn process for the middleware)
+  3. HTTP throughput ours / recipe >= 0.95 fresh, >= 1.05 with 30% replays; ours / none >= 0.6
+  4. pgbench engine / floor, fast >= 0.8
+  5. Citus: what Citus adds to claim + complete (all nodes' CPU - one server's) / what it adds
+     to the recipe's two statements <= 1.0; workers' CPU / one server's <= 3.0
+  6. kept: 100 partitions and 10 M stored keys >= 0.9 of the small install
 
 A missing file is reported as "not measured" for its targets (exit status 0 all the same:
 this is a report, the benchmarks are not tests).
@@ -30,6 +42,9 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
+FILES = ("operation", "http", "run", "citus", "partitions")
+
+Row = tuple[str, str, str, str]
 
 
 def load(path: Path) -> dict[str, Any] | None:
@@ -37,103 +52,183 @@ def load(path: Path) -> dict[str, Any] | None:
 
 
 def figure(name: str, rounds: list[float]) -> tuple[str, str, str]:
-    """A figure's name, its per-round ratios and their median, as table cells."""
+    """A figure's name, its per-round values and their median, as table cells."""
     return (name, ", ".join(f"{x:.2f}" for x in rounds), f"**{statistics.median(rounds):.2f}**")
 
 
-def row(target: str, rounds: list[float], op: str, limit: float) -> tuple[str, str, str, str]:
+def row(number: int, target: str, rounds: list[float], op: str, limit: float) -> Row:
     med = statistics.median(rounds)
     met = med <= limit if op == "<=" else med >= limit
-    return (*figure(target, rounds), f"{op} {limit:g}: {'met' if met else 'NOT met'}")
+    name, cells, median = figure(f"{number}. {target}", rounds)
+    return (name, cells, median, f"{op} {limit:g}: {'met' if met else 'NOT met'}")
 
 
-def http_rows(data: dict[str, Any] | None, path: Path) -> list[tuple[str, ...]]:
+def missing(number: int, what: str, path: Path) -> Row:
+    return (f"{number}. {what}", "-", "-", f"not measured (no {path})")
+
+
+def ratio(rounds: list[dict[str, Any]], field: str, ours: str, base: str) -> list[float]:
+    return [r[ours][field] / r[base][field] if r[base][field] else float("nan") for r in rounds]
+
+
+def operation_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
     if data is None:
-        return [("HTTP targets", "-", "-", f"not measured (no {path})")]
+        return [missing(1, "server CPU ours/recipe (operation())", path),
+                missing(2, "app CPU ours/recipe (operation())", path)]
+    r = data["ratios"]
+    return [row(1, f"server CPU ours/recipe (operation(), {data['threads']} threads)",
+                r["pg_cpu_ms_over_recipe"], "<=", 1.3),
+            row(2, f"app CPU ours/recipe (operation(), {data['threads']} threads)",
+                r["app_cpu_ms_over_recipe"], "<=", 1.2)]
+
+
+def http_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
+    if data is None:
+        return [missing(n, f"{what} (HTTP)", path)
+                for n, what in ((1, "server CPU ours/recipe"), (2, "app CPU ours/recipe"),
+                                (3, "throughput ours/recipe and ours/none"))]
     rows = []
+    for r in data["results"]:
+        where = f"middleware, {r['load']}, {r['clients']} clients"
+        rows.append(row(1, f"server CPU ours/recipe ({where})",
+                        r["ratios"]["pg_cpu_ms_over_recipe"], "<=", 1.3))
+        rows.append(row(2, f"app CPU ours/recipe ({where}; uvicorn)",
+                        ratio(r["rounds"], "server_cpu_ms", "middleware", "recipe"), "<=", 1.2))
     for r in data["results"]:
         where = f"{r['load']}, {r['clients']} clients"
-        ratios = r["ratios"]
-        rows.append(row(f"statement time ours/recipe ({where})",
-                        ratios["stmt_ms_over_recipe"], "<=", 2.0))
-        rows.append(row(f"WAL bytes ours/recipe ({where})",
-                        ratios["wal_bytes_over_recipe"], "<=", 1.15))
-        rows.append(row(f"throughput ours/recipe ({where})", ratios["rps_over_recipe"], ">=",
-                        1.1 if r["load"] == "fresh" else 1.3))
-        rows.append(row(f"throughput ours/none ({where})", ratios["rps_over_none"], ">=", 0.75))
+        rows.append(row(3, f"throughput ours/recipe ({where})", r["ratios"]["rps_over_recipe"],
+                        ">=", 0.95 if r["load"] == "fresh" else 1.05))
+        rows.append(row(3, f"throughput ours/none ({where})", r["ratios"]["rps_over_none"],
+                        ">=", 0.6))
     return rows
 
 
-def run_rows(data: dict[str, Any] | None, path: Path) -> list[tuple[str, ...]]:
+def run_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
     if data is None:
-        return [("pgbench targets", "-", "-", f"not measured (no {path})")]
+        return [missing(4, "pgbench engine/floor fast", path)]
+    return [row(4, f"pgbench engine/floor fast ({r['version']}, {r['clients']} clients)",
+                r["engine_over_floor_rounds"], ">=", 0.8)
+            for r in data["results"] if r["mode"] == "fast"]
+
+
+def citus_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
+    if data is None or "recipe_cpu_us_per_pair" not in (data or {}):
+        why = path if data is None else f"{path} without the recipe's figures"
+        return [missing(5, "Citus", Path(str(why)))]
+    ours, recipe = data["cpu_us_per_pair"], data["recipe_cpu_us_per_pair"]
+    added = [a - s for a, s in zip(ours["all nodes"], ours["single server"], strict=True)]
+    recipe_added = [a - s for a, s in zip(recipe["all nodes"], recipe["single server"],
+                                          strict=True)]
+    return [
+        row(5, "Citus: what it adds to claim + complete / to the recipe's two statements "
+               "(all nodes' CPU - one server's, through the coordinator)",
+            [a / b if b else float("nan") for a, b in zip(added, recipe_added, strict=True)],
+            "<=", 1.0),
+        row(5, "Citus: workers' CPU per delegated claim + complete / one server's",
+            [w / s for w, s in zip(ours["workers (sum)"], ours["single server"], strict=True)],
+            "<=", 3.0),
+    ]
+
+
+def partitions_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
+    if data is None:
+        return [missing(6, "kept: 100 partitions and 10 M keys", path)]
     rows = []
-    for r in data["results"]:
-        where = f"{r['version']}, {r['clients']} clients"
-        if r["mode"] == "durable":
-            rows.append(row(f"pgbench engine/bare durable ({where})", r["engine_rounds"],
-                            ">=", 0.8))
-        else:
-            rows.append(row(f"pgbench engine/floor fast ({where})",
-                            r["engine_over_floor_rounds"], ">=", 0.8))
+    for run in data["runs"]:
+        flat = run.get("flatness", [])
+        most = max((r["partitions"] for r in flat), default=None)
+        fewest = min((r["partitions"] for r in flat), default=None)
+        for r in flat:
+            if r["partitions"] == most:
+                tombstones = "on" if r["tombstones"] else "off"
+                rows.append(row(6, f"kept: {most} partitions / {fewest} ({run['version']}, "
+                                   f"{run['mode']}, tombstones {tombstones})",
+                                [x["ratio"] for x in r["rounds"]], ">=", 0.9))
+        if "big" in run:
+            big = run["big"]
+            rows.append(row(6, f"kept: {big['keys']:,} keys / an empty install ({run['version']}, "
+                               f"{run['mode']})", [x["ratio"] for x in big["rounds"]], ">=", 0.9))
     return rows
 
 
-def citus_rows(data: dict[str, Any] | None, path: Path) -> list[tuple[str, ...]]:
-    if data is None:
-        return [("Citus worker CPU / single node", "-", "-", f"not measured (no {path})")]
-    cpu = data["cpu_us_per_pair"]
-    rounds = [w / s for w, s in zip(cpu["workers (sum)"], cpu["single server"], strict=True)]
-    return [row("Citus: workers' CPU per delegated claim + complete / one server's", rounds,
-                "<=", 1.2)]
-
-
-def context_rows(http: dict[str, Any] | None, run: dict[str, Any] | None) -> list[tuple[str, ...]]:
-    """Figures that are not targets but say what the targets leave out: the server CPU per
-    HTTP request (statement time counts execution only, and a function call's inner statements
-    are timed with their executor start-up, a top-level statement's are not: see
-    docs/benchmarks.md, "The PL/pgSQL floor"), the server's run-queue wait per request (what
-    of the statement time is waiting for a CPU), and pgbench's floor / bare, what any PL/pgSQL
-    design gives up to the bare statements."""
-    rows = [figure(f"PG CPU per request ours/recipe ({r['load']}, {r['clients']} clients)",
-                   r["ratios"]["pg_cpu_ms_over_recipe"])
-            for r in (http or {}).get("results", [])]
-    # the time the server's processes waited for a CPU, inside the statement time when the
-    # machine's cores are all busy (bench/http.py; absent from runs before it was measured)
-    rows += [figure(f"PG run-queue wait per request ours/recipe ({r['load']}, "
-                    f"{r['clients']} clients)", r["ratios"]["pg_wait_ms_over_recipe"])
-             for r in (http or {}).get("results", [])
-             if "pg_wait_ms_over_recipe" in r["ratios"]]
+def context_rows(op: dict[str, Any] | None, http: dict[str, Any] | None,
+                 run: dict[str, Any] | None, citus: dict[str, Any] | None) -> list[tuple[str, ...]]:
+    """Figures that are not targets: throughput of operation() against the recipe, the
+    retired statement-time and WAL ratios, the server's run-queue wait per HTTP request, what
+    Citus adds in µs, and pgbench's floor / bare."""
+    rows = []
+    if op is not None:
+        rows.append(figure(f"operation() payments/s ours/recipe ({op['threads']} threads)",
+                           op["ratios"]["rps_over_recipe"]))
+    for r in (http or {}).get("results", []):
+        where = f"{r['load']}, {r['clients']} clients"
+        rows.append(figure(f"HTTP statement time ours/recipe ({where})",
+                           r["ratios"]["stmt_ms_over_recipe"]))
+        rows.append(figure(f"HTTP WAL bytes ours/recipe ({where})",
+                           r["ratios"]["wal_bytes_over_recipe"]))
+        if "pg_wait_ms_over_recipe" in r["ratios"]:
+            rows.append(figure(f"HTTP PG run-queue wait ours/recipe ({where})",
+                               r["ratios"]["pg_wait_ms_over_recipe"]))
+    if citus is not None and "recipe_cpu_us_per_pair" in citus:
+        ours, recipe = citus["cpu_us_per_pair"], citus["recipe_cpu_us_per_pair"]
+        rows.append(figure("Citus adds to claim + complete, µs",
+                           [a - s for a, s in zip(ours["all nodes"], ours["single server"],
+                                                  strict=True)]))
+        rows.append(figure("Citus adds to the recipe's pair, µs",
+                           [a - s for a, s in zip(recipe["all nodes"], recipe["single server"],
+                                                  strict=True)]))
+        rows.append(figure("Citus: workers' CPU per recipe pair / one server's",
+                           [w / s for w, s in zip(recipe["workers (sum)"],
+                                                  recipe["single server"], strict=True)]))
     rows += [figure(f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} clients)",
                     [rd["floor"] / rd["bare"] for rd in r["rounds"]])
              for r in (run or {}).get("results", [])]
     return rows
 
 
-def plot(data: dict[str, Any], path: Path, title: str) -> None:
+VARIANTS = (("none", "no idempotency"), ("recipe", "hand-written recipe"), ("ours", "ours"))
+
+
+def plot(op: dict[str, Any] | None, http: dict[str, Any] | None, path: Path) -> None:
+    """Two panels, server and app CPU per request; a group of bars (none, recipe, ours) for
+    operation() and for each HTTP load; a dot for every round."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    variants = (("none", "no idempotency"), ("recipe", "hand-written recipe"),
-                ("middleware", "ours (middleware)"))
-    results = data["results"]
-    labels = [f"{r['load']}\n{r['clients']} clients" for r in results]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
-    width = 0.8 / len(variants)
-    for i, (variant, name) in enumerate(variants):
-        xs = [j + (i - 1) * width for j in range(len(results))]
-        meds = [r["per_request"]["stmt_ms"][variant] for r in results]
-        ax.bar(xs, meds, width, label=name)
-        for x, r in zip(xs, results, strict=True):  # every round as a dot
-            ys = [rd[variant]["stmt_ms"] for rd in r["rounds"]]
-            ax.plot([x] * len(ys), ys, "k.", markersize=3)
-    ax.set_xticks(range(len(results)), labels)
-    ax.set_ylabel("ms per request (pg_stat_statements, top level)")
-    ax.set_title(f"{title}\nmedian of {len(results[0]['rounds'])} rounds; dots: each round",
+    # (label, rounds as [{variant: {"server": ms, "app": ms}}])
+    groups = []
+    if op is not None:
+        groups.append((f"operation()\n{op['threads']} threads",
+                       [{v: {"server": r[v]["pg_cpu_ms"], "app": r[v]["app_cpu_ms"]}
+                         for v, _ in VARIANTS} for r in op["rounds"]]))
+    for res in (http or {}).get("results", []):
+        names = {"none": "none", "recipe": "recipe", "ours": "middleware"}
+        groups.append((f"HTTP {res['load']}\n{res['clients']} clients",
+                       [{v: {"server": r[names[v]]["pg_cpu_ms"],
+                             "app": r[names[v]]["server_cpu_ms"]} for v, _ in VARIANTS}
+                        for r in res["rounds"]]))
+    if not groups:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    width = 0.8 / len(VARIANTS)
+    for ax, side, title in ((axes[0], "server", "server CPU (every postgres process)"),
+                            (axes[1], "app", "app CPU (the Python / uvicorn process)")):
+        for i, (variant, name) in enumerate(VARIANTS):
+            xs = [j + (i - 1) * width for j in range(len(groups))]
+            meds = [statistics.median(rd[variant][side] for rd in rounds)
+                    for _, rounds in groups]
+            ax.bar(xs, meds, width, label=name)
+            for x, (_, rounds) in zip(xs, groups, strict=True):
+                ys = [rd[variant][side] for rd in rounds]
+                ax.plot([x] * len(ys), ys, "k.", markersize=3)
+        ax.set_xticks(range(len(groups)), [g[0] for g in groups], fontsize=8)
+        ax.set_ylabel("ms per request")
+        ax.set_title(title, fontsize=10)
+    axes[0].legend(fontsize=8)
+    fig.suptitle("CPU per request by variant: median of the rounds; dots: each round",
                  fontsize=10)
-    ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     print(f"plot: {path}")
@@ -141,31 +236,37 @@ def plot(data: dict[str, Any], path: Path, title: str) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--http", type=Path, default=OUT / "http.json")
-    parser.add_argument("--run", type=Path, default=OUT / "run.json")
-    parser.add_argument("--citus", type=Path, default=OUT / "citus.json")
-    parser.add_argument("--plot", type=Path, help="draw statement time per request here")
-    parser.add_argument("--title", default="PostgreSQL statement time per HTTP request")
+    parser.add_argument("--dir", type=Path, default=OUT, help="where the --json files are")
+    for name in FILES:
+        parser.add_argument(f"--{name}", type=Path, help=f"{name}.json elsewhere")
+    parser.add_argument("--plot", type=Path, help="draw CPU per request by variant here")
     args = parser.parse_args()
-    http = load(args.http)
-    rows = (http_rows(http, args.http) + run_rows(load(args.run), args.run)
-            + citus_rows(load(args.citus), args.citus))
-    print("\nIssue 22 targets (engine v3): per-round ratios, their median, the target\n")
-    print("| figure | rounds | median | target |")
+    paths = {name: getattr(args, name) or args.dir / f"{name}.json" for name in FILES}
+    data = {name: load(path) for name, path in paths.items()}
+    rows = (operation_rows(data["operation"], paths["operation"])
+            + http_rows(data["http"], paths["http"])
+            + run_rows(data["run"], paths["run"])
+            + citus_rows(data["citus"], paths["citus"])
+            + partitions_rows(data["partitions"], paths["partitions"]))
+    rows.sort(key=lambda r: int(r[0].split(".", 1)[0]))  # by target number, stable
+    print("\nIssue 32 targets (engine v4): per-round figures, their median, the target\n")
+    print("| target | rounds | median | target |")
     print("|---|---|---:|---|")
     for r in rows:
         print("| " + " | ".join(r) + " |")
     met = sum(r[3].endswith(": met") for r in rows)
-    print(f"\n{met} of {len(rows)} figures meet their target")
-    context = context_rows(http, load(args.run))
+    measured = sum(not r[3].startswith("not measured") for r in rows)
+    print(f"\n{met} of {measured} measured figures meet their target "
+          f"({len(rows) - measured} not measured)")
+    context = context_rows(data["operation"], data["http"], data["run"], data["citus"])
     if context:
-        print("\nContext, not targets: per-round ratios and their median\n")
+        print("\nContext, not targets: per-round figures and their median\n")
         print("| figure | rounds | median |")
         print("|---|---|---:|")
         for r in context:
             print("| " + " | ".join(r) + " |")
-    if args.plot and http is not None:
-        plot(http, args.plot, args.title)
+    if args.plot:
+        plot(data["operation"], data["http"], args.plot)
     return 0
 
 
