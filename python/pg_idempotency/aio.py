@@ -58,6 +58,9 @@ class Operation:
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
         await core._arun(self.conn, self._core.g_exit(exc))
+        lost = core.block_outage(exc)
+        if lost is not None:  # the block's own statement on a lost connection
+            raise lost
 
     async def checkpoint(self, recovery_point: str, *,
                          extend: timedelta | float | None = None) -> datetime:

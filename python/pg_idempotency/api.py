@@ -57,6 +57,9 @@ class Operation:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         core._run(self.conn, self._core.g_exit(exc))
+        lost = core.block_outage(exc)
+        if lost is not None:  # the block's own statement on a lost connection
+            raise lost
 
     def checkpoint(self, recovery_point: str, *, extend: timedelta | float | None = None
                    ) -> datetime:

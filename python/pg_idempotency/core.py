@@ -35,6 +35,7 @@ from .errors import (
     AlreadyCompleted,
     ArgumentTooLarge,
     DatabaseUnavailable,
+    IdempotencyError,
     KeyExpired,
     KeyInProgress,
     KeyMismatch,
@@ -508,6 +509,23 @@ def _translate(exc: Exception, request: _Request) -> Exception:
         mapped.__cause__ = exc
         return mapped
     return exc
+
+
+def block_outage(exc: BaseException | None) -> DatabaseUnavailable | None:
+    """What an operation block's exception becomes when the database cannot be reached: the
+    caller's own statement on the lost connection (psycopg's OperationalError, or SQLAlchemy's
+    wrapper of it) surfaces from the block as :class:`DatabaseUnavailable`, as every call of
+    the package does; None for any other exception (it propagates as it is)."""
+    if not isinstance(exc, Exception) or isinstance(exc, IdempotencyError) \
+            or not connection_lost(exc):
+        return None
+    cause: BaseException | None = exc
+    while cause is not None and not isinstance(cause, psycopg.Error):
+        cause = cause.__cause__ or cause.__context__
+    mapped = DatabaseUnavailable(f"the database is unavailable: {exc}",
+                                 pgerror=cause if isinstance(cause, psycopg.Error) else None)
+    mapped.__cause__ = exc
+    return mapped
 
 
 def _sync(op: Callable[P, _Gen[T]]) -> Callable[Concatenate[psycopg.Connection[Any], P], T]:

@@ -224,6 +224,20 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
             value, send = core._translate(exc, request), gen.throw
 
 
+@contextlib.contextmanager
+def _outage() -> Iterator[None]:
+    """The session's own flush on a lost connection raises SQLAlchemy's OperationalError:
+    raise :class:`~pg_idempotency.errors.DatabaseUnavailable` instead, as every call of the
+    package does."""
+    try:
+        yield
+    except Exception as exc:
+        lost = core.block_outage(exc)
+        if lost is None:
+            raise
+        raise lost from exc
+
+
 class _Common:
     _core: OperationCore
 
@@ -264,11 +278,15 @@ class SessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         _run_session(self.session, self._core.g_exit(exc), None)
+        lost = core.block_outage(exc)
+        if lost is not None:  # a statement of the block (a flush, an execute) on a lost connection
+            raise lost
 
     def complete(self, status: int, body: Any = None, *, headers: Mapping[str, str] | None = None,
                  content_type: str | None = None) -> StoredResponse:
         """Flush the session, store the response in its transaction and commit both."""
-        self.session.flush()
+        with _outage():
+            self.session.flush()
         return _run_session(self.session,  # type: ignore[no-any-return]
                             self._core.g_complete(status, body, headers, content_type),
                             self._active)
@@ -276,7 +294,8 @@ class SessionOperation(_Common):
     def checkpoint(self, recovery_point: str, *, extend: timedelta | float | None = None
                    ) -> datetime:
         """Record ``recovery_point`` and commit it with the session's writes so far."""
-        self.session.flush()
+        with _outage():
+            self.session.flush()
         return _run_session(self.session,  # type: ignore[no-any-return]
                             self._core.g_checkpoint(recovery_point, extend), self._active)
 
@@ -307,12 +326,16 @@ class AsyncSessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         await _arun_session(self.session, self._core.g_exit(exc), None)
+        lost = core.block_outage(exc)
+        if lost is not None:
+            raise lost
 
     async def complete(self, status: int, body: Any = None, *,
                        headers: Mapping[str, str] | None = None,
                        content_type: str | None = None) -> StoredResponse:
         """Flush the session, store the response in its transaction and commit both."""
-        await self.session.flush()
+        with _outage():
+            await self.session.flush()
         return await _arun_session(  # type: ignore[no-any-return]
             self.session, self._core.g_complete(status, body, headers, content_type),
             self._active)
@@ -320,7 +343,8 @@ class AsyncSessionOperation(_Common):
     async def checkpoint(self, recovery_point: str, *,
                          extend: timedelta | float | None = None) -> datetime:
         """Record ``recovery_point`` and commit it with the session's writes so far."""
-        await self.session.flush()
+        with _outage():
+            await self.session.flush()
         return await _arun_session(  # type: ignore[no-any-return]
             self.session, self._core.g_checkpoint(recovery_point, extend), self._active)
 
