@@ -284,6 +284,36 @@ def test_per_route_fingerprint(served: tuple[str, str, str]) -> None:
     assert ledger(dsn, "p") == 1 and ledger(dsn, "o") == 1
 
 
+def test_per_route_lease_is_the_stored_lease(served: tuple[str, str, str]) -> None:
+    """/pay has ``lease=7`` (Route, the Django decorator's and settings' ``lease``, Flask's
+    idempotent(lease=)); /only the adapter's default (30 s): the claim the adapter made holds
+    that lease (lease_expires_at - created_at of the stored key, read as the owner)."""
+    adapter, base, dsn = served
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        # The lease as the handler's transaction sees its key, in progress (complete clears
+        # lease_expires_at): recorded by a trigger on the handler's ledger insert.
+        conn.execute("""
+            CREATE TABLE lease_seen (key text, seconds float8);
+            CREATE FUNCTION see_lease() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO lease_seen
+                SELECT k.key, extract(epoch FROM k.lease_expires_at - k.created_at)
+                FROM idempotency.keys AS k
+                WHERE k.key = NEW.intent AND k.state = 'in_progress';
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER see_lease AFTER INSERT ON ledger FOR EACH ROW
+                EXECUTE FUNCTION see_lease()""")
+    assert post(base, "/pay", "lease-7", {"intent": "lease-7"}).status_code == 201
+    assert post(base, "/only", "lease-default",
+                {"intent": "lease-default", "amount": 1}).status_code == 201
+    with psycopg.connect(dsn) as conn:
+        leases = dict(conn.execute("SELECT key, seconds FROM lease_seen").fetchall())
+    assert set(leases) == {"lease-7", "lease-default"}, leases
+    assert abs(leases["lease-7"] - 7) < 0.5, (adapter, leases)
+    assert abs(leases["lease-default"] - contract.Settings().lease_seconds) < 0.5, leases
+
+
 def test_route_contract() -> None:
     settings = contract.Settings(lease=30)
     routes = contract.Routes({"POST /a": Route("optional", lease=timedelta(seconds=90)),
