@@ -405,3 +405,181 @@ def test_asgi_memory_is_bounded_at_and_over_the_limits(db: str) -> None:
 def ledger_keys(dsn: str) -> dict[str, str]:
     with psycopg.connect(dsn) as conn:
         return dict(conn.execute("SELECT key, state::text FROM idempotency.keys").fetchall())
+
+
+# -- memory per call: the Flask and Django adapters, in process -------------------------------
+
+MIB = 1048576
+CHUNK = 65536
+
+
+class Source:
+    """A request body of ``size`` bytes made on demand (``head``, then spaces), counting the
+    bytes the adapter reads: what a client streams, never held whole by the test."""
+
+    def __init__(self, head: bytes, size: int) -> None:
+        self.head, self.size, self.pos = head, max(size, len(head)), 0
+        # Up to a few MB the body is made before the call is traced: a read of it whole is the
+        # one bytes object the adapter gets (a slice of all of it is no copy), as from a socket.
+        self.data = head + b" " * (self.size - len(head)) if self.size <= 4 * MIB else None
+
+    def read(self, n: int | None = -1) -> bytes:
+        left = self.size - self.pos
+        n = left if n is None or n < 0 else min(n, left)
+        start, self.pos = self.pos, self.pos + n
+        if self.data is not None:
+            return self.data[start:start + n]
+        part = self.head[start:start + n]
+        return part + b" " * (n - len(part)) if part else b" " * n
+
+    def readline(self, limit: int = -1) -> bytes:
+        return self.read(65536 if limit is None or limit < 0 else limit)
+
+
+def _memory_environ(key: str, source: Source, chunked: bool) -> dict[str, Any]:
+    environ: dict[str, Any] = {
+        "REQUEST_METHOD": "POST", "PATH_INFO": "/m", "QUERY_STRING": "", "SCRIPT_NAME": "",
+        "SERVER_NAME": "127.0.0.1", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
+        "HTTP_HOST": "127.0.0.1", "CONTENT_TYPE": "application/json",
+        "HTTP_IDEMPOTENCY_KEY": key, "HTTP_X_ACCOUNT": "acct",
+        "wsgi.input": source, "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
+        "wsgi.url_scheme": "http", "wsgi.multithread": True, "wsgi.multiprocess": False,
+        "wsgi.run_once": False}
+    if chunked:  # what a server that decodes Transfer-Encoding: chunked passes on
+        environ["HTTP_TRANSFER_ENCODING"] = "chunked"
+        environ["wsgi.input_terminated"] = True
+    else:
+        environ["CONTENT_LENGTH"] = str(source.size)
+    return environ
+
+
+def _call_wsgi(app: Any, key: str, request_size: int, answer: int, chunked: bool = False
+               ) -> tuple[int, int, int]:
+    """One request through ``app`` in this process: its status, the tracemalloc peak of the
+    call (the answer consumed as a server would) and the request bytes read."""
+    source = Source(json.dumps({"intent": key, "answer": answer}).encode(), request_size)
+    environ = _memory_environ(key, source, chunked)
+    started: list[str] = []
+
+    def start_response(status: str, headers: Any, exc_info: Any = None) -> Any:
+        started.append(status)
+        return lambda data: None
+
+    tracemalloc.start()
+    tracemalloc.reset_peak()
+    try:
+        result = app(environ, start_response)
+        for _ in result:
+            pass
+        close = getattr(result, "close", None)
+        if close is not None:
+            close()
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    return int(started[0].split()[0]), peak, source.pos
+
+
+def _answer_size(body: bytes) -> tuple[str, int]:
+    data = json.loads(body)
+    return data["intent"], int(data["answer"])
+
+
+def _flask_memory_app(pool: ConnectionPool, middleware: bool) -> Any:
+    app = flask.Flask(__name__)
+
+    def streamed() -> Any:  # behind the WSGI middleware: the answer streamed in chunks
+        intent, size = _answer_size(flask.request.get_data())
+        op = pg_flask.get_operation()
+        assert op is not None
+        op.conn.execute("INSERT INTO ledger VALUES (%s)", (intent,))
+
+        def chunks() -> Iterator[bytes]:
+            for sent in range(0, size, CHUNK):
+                yield b"z" * min(CHUNK, size - sent)
+
+        return flask.Response(chunks(), status=201, content_type="application/octet-stream")
+
+    def whole() -> Any:  # the decorator stores a whole response (a streamed one is refused)
+        intent, size = _answer_size(flask.request.get_data())
+        op = pg_flask.get_operation()
+        assert op is not None
+        op.conn.execute("INSERT INTO ledger VALUES (%s)", (intent,))
+        return flask.Response(b"z" * size, status=201, content_type="application/octet-stream")
+
+    if middleware:
+        app.add_url_rule("/m", "m", streamed, methods=["POST"])
+        app.wsgi_app = pg_flask.IdempotencyMiddleware(  # type: ignore[method-assign]
+            app.wsgi_app, pool=pool, scope=lambda environ: "acct", routes={"POST /m": "required"})
+        return app.wsgi_app
+    idem = pg_flask.Idempotency(pool, scope=lambda r: "acct")
+    app.add_url_rule("/m", "m", idem.idempotent(whole), methods=["POST"])
+    return app.wsgi_app
+
+
+def _django_memory_view(request: HttpRequest) -> HttpResponse:
+    intent, size = _answer_size(request.body)
+    with connections["default"].cursor() as cursor:
+        cursor.execute("INSERT INTO ledger VALUES (%s)", [intent])
+    return HttpResponse(b"z" * size, status=201, content_type="application/octet-stream")
+
+
+_MEMORY_URLS = types.ModuleType(f"{__name__}_memory")
+_MEMORY_URLS.urlpatterns = [  # type: ignore[attr-defined]
+    django_path("m", pg_django.idempotent(scope=lambda r: "acct")(_django_memory_view))]
+sys.modules[_MEMORY_URLS.__name__] = _MEMORY_URLS
+
+#: The cases of the WSGI adapters: (name, request size, answer size, chunked). Django's are
+#: the same but the chunked one: Django reads a body by its Content-Length only (a chunked
+#: body reaches a Django view empty, whatever the server), so there is nothing to bound.
+MEMORY_CASES = [("request at limit", MIB, 10, False),
+                ("request over (Content-Length, 16 MB)", 16 * MIB, 10, False),
+                ("request over (chunked, 16 MB)", 16 * MIB, 10, True),
+                ("answer at limit", 100, MIB, False),
+                ("answer over (16 MB)", 100, 16 * MIB, False)]
+
+
+@pytest.mark.parametrize("adapter", ["flask", "wsgi", "django"])
+def test_wsgi_memory_is_bounded_at_and_over_the_limits(db: str, adapter: str) -> None:
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute(LEDGER)
+    cases = [c for c in MEMORY_CASES if not (adapter == "django" and c[3])]
+    results: dict[str, tuple[int, int, int]] = {}
+    if adapter == "django":
+        with django_on(db, _MEMORY_URLS.__name__) as app:
+            for i, (name, request_size, answer, chunked) in enumerate(cases):
+                results[name] = _call_wsgi(app, f"k{i}", request_size, answer, chunked)
+    else:
+        with ConnectionPool(db, min_size=1, max_size=3, open=True) as pool:
+            app = _flask_memory_app(pool, middleware=adapter == "wsgi")
+            for i, (name, request_size, answer, chunked) in enumerate(cases):
+                results[name] = _call_wsgi(app, f"k{i}", request_size, answer, chunked)
+    print(adapter, {k: (s, f"{p / MIB:.1f} MB peak", f"{r} B read")
+                    for k, (s, p, r) in results.items()})
+    status = {k: s for k, (s, _, _) in results.items()}
+    peak = {k: p for k, (_, p, _) in results.items()}
+    read = {k: r for k, (_, _, r) in results.items()}
+    assert status["request at limit"] == 201 and read["request at limit"] == MIB
+    assert status["request over (Content-Length, 16 MB)"] == 413
+    assert read["request over (Content-Length, 16 MB)"] == 0  # refused by its Content-Length
+    assert peak["request over (Content-Length, 16 MB)"] < MIB, peak
+    if adapter != "django":
+        assert status["request over (chunked, 16 MB)"] == 413
+        assert read["request over (chunked, 16 MB)"] <= MIB + 1, read  # limit + 1 at most
+        assert peak["request over (chunked, 16 MB)"] < 3 * MIB, peak
+    assert status["answer at limit"] == 201 and status["answer over (16 MB)"] == 507
+    # the body read, the framework's cached copy of it (Flask's get_data) and the fingerprint's
+    # parse: 1.0-3.0 MB measured
+    assert peak["request at limit"] < 4 * MIB, peak
+    # the answer, its stored copy and complete's statement (the body as a bytea literal, bound
+    # by psycopg's ClientCursor: twice its size in hex): ~5.5 MB measured for 1 MiB
+    assert peak["answer at limit"] < 7 * MIB, peak
+    if adapter == "wsgi":  # a streamed answer: nothing is kept past the limit
+        assert peak["answer over (16 MB)"] < 3 * MIB, peak
+    else:
+        # Flask's decorator and Django store a whole response object, which the view made
+        # before the adapter sees it (16 MB here): the adapter adds no copy of it.
+        assert peak["answer over (16 MB)"] < 16 * MIB + 2 * MIB, peak
+    assert ledger_keys(db) == {f"k{i}": ("completed" if "at limit" in name else "released")
+                               for i, (name, *_rest) in enumerate(cases)
+                               if "at limit" in name or "answer over" in name}
