@@ -12,9 +12,9 @@
 #   make release VERSION=X.Y.Z   tools/release.py: check, freeze, date, commit, tag
 #                (DRY_RUN=1: the checks alone; docs/releasing.md)
 #   make lint    ruff + sqlfluff
-#   make bench   benchmarks (bench/run.py, bench/partitions.py, bench/http.py,
-#                bench/retention.py, bench/citus.py), then bench/targets.py: issue 22's
-#                targets, met or not, and docs/benchmarks-server-time.png; results in
+#   make bench   benchmarks (bench/operation.py, bench/run.py, bench/partitions.py,
+#                bench/http.py, bench/retention.py, bench/citus.py), then bench/targets.py:
+#                issue 32's targets, met or not, and docs/benchmarks-cpu.png; results in
 #                docs/benchmarks.md.
 #                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
 #                (it prints the commands when it is missing)
@@ -177,18 +177,20 @@ run: $(STAMP)
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
 	@# the scripts' figures go to build/bench/*.json (where the test user may write), and
-	@# bench/targets.py prints issue 22's targets from them at the end; a stale file is removed
+	@# bench/targets.py prints issue 32's targets from them at the end; a stale file is removed
 	@# first so that a failed run shows as "not measured"
 	mkdir -p build/bench && rm -f build/bench/*.json && chown -R $(TEST_USER) build/bench 2>/dev/null || true
+	$(AS_TEST_USER) $(PY) bench/operation.py --json build/bench/operation.json
 	$(AS_TEST_USER) $(PY) bench/run.py --clients 4,8 --json build/bench/run.json
 	@# the plots are written where the test user may write, then put in docs/
-	$(AS_TEST_USER) $(PY) bench/partitions.py --plot build/benchmarks-partitions.png
+	$(AS_TEST_USER) $(PY) bench/partitions.py --plot build/benchmarks-partitions.png \
+		--json build/bench/partitions.json
 	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
 	$(AS_TEST_USER) $(PY) bench/http.py --json build/bench/http.json
 	$(AS_TEST_USER) $(PY) bench/retention.py
 	$(AS_TEST_USER) $(PY) bench/citus.py --json build/bench/citus.json
-	$(AS_TEST_USER) $(PY) bench/targets.py --plot build/bench/server-time.png
-	cp build/bench/server-time.png docs/benchmarks-server-time.png
+	$(AS_TEST_USER) $(PY) bench/targets.py --plot build/bench/cpu.png
+	cp build/bench/cpu.png docs/benchmarks-cpu.png
 
 # The sdist, then the wheel built from the sdist (so a file missing from the sdist fails
 # here), with build and hatchling from .venv (no download), and build/extension/ as a tarball.

@@ -2335,7 +2335,8 @@ idempotency.grants and re-applied by later migrations. See docs/sql-api.md.';
 -- Grants every role listed in idempotency.grants the functions of its kind again, as
 -- grant_usage() defines them now, a completer with its scopes: every migration from 0010 on
 -- ends with it (tools/build.py), so a function a migration adds, or drops and makes again, is
--- executable by the roles of its kind after the upgrade. Roles dropped since are passed over. Returns how many grants it made.
+-- executable by the roles of its kind after the upgrade. Roles dropped since are passed over.
+-- Returns how many grants it made.
 CREATE OR REPLACE FUNCTION idempotency._reapply_grants()
 RETURNS integer
 LANGUAGE plpgsql

@@ -1,7 +1,8 @@
 -- Grants every role listed in idempotency.grants the functions of its kind again, as
 -- grant_usage() defines them now, a completer with its scopes: every migration from 0010 on
 -- ends with it (tools/build.py), so a function a migration adds, or drops and makes again, is
--- executable by the roles of its kind after the upgrade. Roles dropped since are passed over. Returns how many grants it made.
+-- executable by the roles of its kind after the upgrade. Roles dropped since are passed over.
+-- Returns how many grants it made.
 CREATE FUNCTION idempotency._reapply_grants()
 RETURNS integer
 LANGUAGE plpgsql
