@@ -639,6 +639,9 @@ def test_maintain_and_status_through_the_coordinator(citus: Cluster) -> None:
         conn.execute("UPDATE idempotency.settings SET tombstones = true")
         try:
             later = "now() + interval '3 days'"
+            # A newer key: maintain() never drops the newest interval holding keys.
+            conn.execute("SELECT idempotency.claim(%s, 'newer', '{}',"
+                         f" reference_time => {later})", (_scope(),))
             actions = conn.execute(
                 f"SELECT action, parent_table, partition_name FROM idempotency.maintain({later})"
             ).fetchall()

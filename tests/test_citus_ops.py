@@ -172,16 +172,20 @@ def test_metrics_and_maintain_through_the_coordinator(citus_cluster: Any,
 
         # Three days on, the partition of today's keys goes with its directory rows; the
         # metrics follow (the owner may move the clock).
+        # A key claimed then stands beside them: maintain() never drops the newest interval
+        # holding keys.
         later = "now() + interval '3 days'"
+        conn.execute(f"SELECT idempotency.claim(%s, 'newer', '{{}}', reference_time => {later})",
+                     (SCOPES[0],))
         actions = conn.execute(
             f"SELECT action, parent_table FROM idempotency.maintain({later})").fetchall()
         dropped = [a for a in actions if a == ("dropped", "keys")]
         assert dropped, actions
-        m = wait_for(conn, "keys_total_estimate", 0, later)
-        assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) == (0, 0, 0)
+        m = wait_for(conn, "keys_total_estimate", 1, later)
+        assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) == (1, 0, 1)
         assert m["maintain_last_outcome"] == "ok"
         assert m["maintain_last_dropped"] == sum(1 for a, _ in actions if a == "dropped")
-        assert conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone() == (1,)
         assert conn.execute("SELECT outcome FROM idempotency.maintenance_runs ORDER BY id"
                             ).fetchall() == [("ok",), ("ok",)]
 

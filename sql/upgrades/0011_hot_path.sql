@@ -32,12 +32,19 @@ DROP FUNCTION idempotency._finish(
 
 -- Size limits (issue 34 "Bounds"): settings.max_request_bytes, max_response_bytes and
 -- max_headers_bytes, refused with IK018 before anything is canonicalized or stored.
+-- One statement per column and per constraint, each constraint named: Citus refuses an ADD
+-- COLUMN that carries a constraint on a distributed install (settings is a reference table).
 ALTER TABLE idempotency.settings
-ADD COLUMN max_request_bytes integer NOT NULL DEFAULT 1048576
-CHECK (max_request_bytes BETWEEN 65536 AND 1073741824),
-ADD COLUMN max_response_bytes integer NOT NULL DEFAULT 1048576
-CHECK (max_response_bytes BETWEEN 65536 AND 1073741824),
-ADD COLUMN max_headers_bytes integer NOT NULL DEFAULT 16384
+ADD COLUMN max_request_bytes integer NOT NULL DEFAULT 1048576;
+ALTER TABLE idempotency.settings
+ADD COLUMN max_response_bytes integer NOT NULL DEFAULT 1048576;
+ALTER TABLE idempotency.settings
+ADD COLUMN max_headers_bytes integer NOT NULL DEFAULT 16384;
+ALTER TABLE idempotency.settings ADD CONSTRAINT settings_max_request_bytes_check
+CHECK (max_request_bytes BETWEEN 65536 AND 1073741824);
+ALTER TABLE idempotency.settings ADD CONSTRAINT settings_max_response_bytes_check
+CHECK (max_response_bytes BETWEEN 65536 AND 1073741824);
+ALTER TABLE idempotency.settings ADD CONSTRAINT settings_max_headers_bytes_check
 CHECK (max_headers_bytes BETWEEN 4096 AND 1048576);
 COMMENT ON TABLE idempotency.settings IS
 'pg_idempotency settings (exactly one row): partition_interval, retention, premake, tombstones,
