@@ -174,7 +174,7 @@ async def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
 # -- the parent: a server, interleaved children, the table ---------------------------------
 
 def measure(cfg: dict[str, Any], conn: Any) -> dict[str, Any]:
-    conn.execute("TRUNCATE ledger, recipe_keys, idempotency.keys")
+    conn.execute("TRUNCATE ledger, recipe_keys, idempotency.keys, idempotency.key_directory")
     out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--child",
                           json.dumps(cfg)], stdout=subprocess.PIPE, text=True, check=False)
     if out.returncode != 0:
