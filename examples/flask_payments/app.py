@@ -19,6 +19,7 @@ not at all. A retry gets the stored answer, byte for byte, with Idempotent-Repla
 from __future__ import annotations
 
 import os
+import re
 import uuid
 
 from flask import Flask, Request, jsonify, request
@@ -62,18 +63,22 @@ def create_app(dsn: str | None = None, *, wait: float = 10.0, lease: float = 30.
     @app.post("/payments")
     @idem.idempotent  # the Idempotency-Key header is required here
     def create_payment():  # type: ignore[no-untyped-def]
-        payment = request.get_json()
-        if not isinstance(payment.get("amount"), int) or payment["amount"] <= 0:
-            return {"error": "amount must be a positive integer"}, 422  # stored: a result
+        payment = request.get_json()  # not JSON: Flask's 400, not stored (the key is released)
+        amount = payment.get("amount") if isinstance(payment, dict) else None
+        currency = payment.get("currency", "EUR") if isinstance(payment, dict) else None
+        # A client's mistake is a 4xx, stored as the key's result like any answer; checked
+        # here so that no value the ledger's columns refuse reaches them (a 500).
+        if (type(amount) is not int or not 0 < amount < 2**31
+                or not isinstance(currency, str) or not re.fullmatch("[A-Z]{3}", currency)):
+            return {"error": "send a JSON object: amount, a positive integer; currency, "
+                             "three capital letters (default EUR)"}, 422
         op = get_operation()
         payment_id = f"pay_{uuid.uuid4().hex[:12]}"
         op.conn.execute(  # the business write, in the transaction the answer commits with
             "INSERT INTO ledger (account, amount, currency, payment_id) "
             "VALUES (%s, %s, %s, %s)",
-            (caller_account(request), payment["amount"], payment.get("currency", "EUR"),
-             payment_id))
-        response = jsonify(id=payment_id, amount=payment["amount"],
-                           currency=payment.get("currency", "EUR"))
+            (caller_account(request), amount, currency, payment_id))
+        response = jsonify(id=payment_id, amount=amount, currency=currency)
         response.status_code = 201
         response.headers["Location"] = f"/payments/{payment_id}"  # stored and replayed
         return response
