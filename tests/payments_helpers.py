@@ -1,12 +1,12 @@
-"""Shared by the HTTP tests: the example payments app, its lifespan, a real uvicorn server."""
+"""Shared by the HTTP tests: the example payments app, its lifespan, an ASGI app's pool
+lifespan, a real uvicorn server."""
 
 from __future__ import annotations
 
 import importlib.util
 import socket
 import threading
-import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from types import ModuleType
@@ -14,6 +14,9 @@ from typing import Any
 
 import psycopg
 import uvicorn
+from psycopg_pool import AsyncConnectionPool
+
+from pgharness import WAIT_BOUND, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -37,6 +40,27 @@ async def lifespan(app: Any) -> AsyncIterator[Any]:
         yield app
 
 
+ASGIApp = Callable[[Any, Any, Any], Awaitable[None]]
+
+
+def with_pool_lifespan(pool: AsyncConnectionPool, app: ASGIApp) -> ASGIApp:
+    """``app`` behind a lifespan that opens ``pool`` at startup and closes it at shutdown
+    (as a deployed app would; uvicorn runs the lifespan, httpx's ASGI transport does not)."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            await pool.open()
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await pool.close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await app(scope, receive, send)
+
+    return wrapped
+
+
 @contextmanager
 def uvicorn_server(app: Any) -> Iterator[str]:
     """Serve ``app`` with uvicorn on 127.0.0.1 in a thread; yields its base URL."""
@@ -47,15 +71,14 @@ def uvicorn_server(app: Any) -> Iterator[str]:
                                            lifespan="on"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
+    wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+    assert server.started, "uvicorn stopped before it started serving"
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
-        thread.join(30)
+        thread.join(WAIT_BOUND)
+    assert not thread.is_alive(), "uvicorn did not stop"
 
 
 def ledger_rows(dsn: str) -> list[tuple[Any, ...]]:

@@ -1,9 +1,10 @@
 """idempotency.maintain() against real concurrent sessions, and the Python side
 (pg_idempotency.maintenance).
 
-* two runs at once: the second one reports "skipped" at once, nobody errors;
-* a run while a long transaction uses the keys table returns within about a second with a
-  "skipped" entry, and claims from other sessions keep succeeding meanwhile;
+* two runs at once: the second one reports "skipped" without waiting, nobody errors;
+* a run while a long transaction uses the keys table returns, the transaction still open, with
+  a "skipped" entry naming the 200 ms lock timeout, and claims from other sessions keep
+  succeeding meanwhile;
 * a claim that waits for a run's drop sees the tombstone the run wrote (never neither);
 * rows moved out of the default partition are not lost to a holder that heartbeats meanwhile;
 * run_maintenance / fetch_status / format_* from pg_idempotency.maintenance.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import re
 import threading
 import time
+import types
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -22,6 +24,7 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from pg_idempotency import maintenance
+from pgharness import WAIT_BOUND, wait_until
 
 CLAIM = """
 SELECT outcome, lease_token FROM idempotency.claim(%s, %s, %s::jsonb,
@@ -62,7 +65,7 @@ def exists(conn: psycopg.Connection[Any], name: str) -> bool:
 
 def wait_for_lock_wait(observer: psycopg.Connection[Any], pid: int, thread: threading.Thread,
                        what: str) -> None:
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT_BOUND
     while time.monotonic() < deadline:
         if not thread.is_alive():
             pytest.fail(f"{what} did not wait")
@@ -71,7 +74,7 @@ def wait_for_lock_wait(observer: psycopg.Connection[Any], pid: int, thread: thre
         if row and row[0] == "Lock":
             return
         time.sleep(0.01)
-    pytest.fail(f"{what} did not wait on a lock within 10 s")
+    pytest.fail(f"{what} did not wait on a lock within {WAIT_BOUND:.0f} s")
 
 
 # -- two runs at once ---------------------------------------------------------------------------
@@ -84,11 +87,13 @@ def test_a_second_run_while_one_is_active_skips_at_once(db: str) -> None:
     with psycopg.connect(db) as first, psycopg.connect(db, autocommit=True) as second:
         steps = first.execute(MAINTAIN, (now,)).fetchall()  # transaction left open
         assert ("dropped", "keys", name, 1) in [s[:4] for s in steps], steps
-        started = time.monotonic()
+        # Had it waited for the lock, it would wait for first.commit() below: for ever.
+        # statement_timeout turns that hang into an error (57014) naming the statement.
+        second.execute("SELECT set_config('statement_timeout', %s, false)",
+                       (f"{WAIT_BOUND:.0f}s",))
         assert second.execute(MAINTAIN, (now,)).fetchall() == [
             ("skipped", None, None, None,
              "another idempotency.maintain() run holds the maintenance lock")]
-        assert time.monotonic() - started < 1.0
         first.commit()
         assert second.execute(MAINTAIN, (now,)).fetchall() == [], "nothing left to do"
         assert not exists(second, name)
@@ -99,7 +104,7 @@ def test_runs_racing_from_many_sessions_never_error(db: str) -> None:
         names = [old_partition_with_a_key(setup, d, f"old{d}") for d in (3, 4, 5, 6)]
         now = setup.execute("SELECT now()").fetchone()[0]
     n = 6
-    barrier = threading.Barrier(n, timeout=30)
+    barrier = threading.Barrier(n, timeout=WAIT_BOUND)
     results: list[list[tuple[Any, ...]]] = []
     errors: list[BaseException] = []
 
@@ -115,7 +120,8 @@ def test_runs_racing_from_many_sessions_never_error(db: str) -> None:
     for t in threads:
         t.start()
     for t in threads:
-        t.join(60)
+        t.join(WAIT_BOUND)
+    assert not any(t.is_alive() for t in threads), "a maintain() run did not return"
     assert not errors, errors[0]
     dropped = sorted(s[2] for r in results for s in r if s[0] == "dropped" and s[1] == "keys")
     assert dropped == sorted(names), results  # each partition dropped exactly once
@@ -150,24 +156,30 @@ def test_a_long_transaction_makes_the_drop_skip_quickly_while_claims_go_on(db: s
         long_tx.execute("SELECT count(*) FROM idempotency.keys").fetchone()
         thread = threading.Thread(target=claimer, daemon=True)
         thread.start()
-        time.sleep(0.2)
-        started = time.monotonic()
+        wait_until(lambda: claim_outcomes or not thread.is_alive(), "the first claim")
+        # maintain() returns while the long transaction is still open (waiting for it would
+        # hang here): it gave up the lock after settings.maintenance_lock_timeout, which its
+        # reason names. How long that took in wall-clock time depends on the machine's load.
         steps = runner.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
-        elapsed = time.monotonic() - started
-        time.sleep(0.2)
+        during = len(claim_outcomes)
+        # Claims go on after the run too, the long transaction still open.
+        wait_until(lambda: len(claim_outcomes) >= during + 3 or not thread.is_alive(),
+                   "claims after the maintain() run")
         stop.set()
-        thread.join(10)
+        thread.join(WAIT_BOUND)
+        assert not thread.is_alive(), "a claim hung"
+        assert len(claim_outcomes) >= during + 3, "the claims stopped (see the thread's error)"
         skipped = [s for s in steps if s[0] == "skipped" and s[2] == name]
         assert skipped and "was not locked within 200 ms" in skipped[0][4], steps
-        assert elapsed < 1.5, f"maintain() took {elapsed:.2f} s behind a long transaction"
         assert exists(runner, name), "the partition must still be there"
         # The inbox is another table: the long transaction does not hold it up.
         assert ("dropped", "inbox", inbox_name) in [s[:3] for s in steps], steps
         assert claim_outcomes and set(claim_outcomes) == {"claimed"}, claim_outcomes
         # A claim may wait behind the drop's lock request for up to the 200 ms lock_timeout;
-        # behind the long transaction itself it would wait until the test ends.
-        assert max(claim_times) < 1.0, (
-            f"a claim took {max(claim_times):.2f} s while maintain() waited for its lock")
+        # behind the long transaction itself it would wait until the test ends (claims went
+        # on after the run, above). The longest one is printed, not compared: a loaded machine
+        # makes any claim slow.
+        print(f"longest claim during maintain(): {max(claim_times):.2f} s")
         long_tx.commit()
         steps = runner.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
         assert ("dropped", "keys", name, 1) in [s[:4] for s in steps], steps
@@ -196,7 +208,7 @@ def test_a_claim_waiting_for_the_drop_sees_the_tombstone(db: str) -> None:
         thread.start()
         wait_for_lock_wait(observer, client.info.backend_pid, thread, "the retry")
         runner.commit()
-        thread.join(10)
+        thread.join(WAIT_BOUND)
     assert result == [("expired", 200)], (
         "a claim that waited for the drop must see the tombstone committed with it")
 
@@ -248,15 +260,25 @@ def test_python_run_maintenance_and_report(db: str) -> None:
             maintenance.run_maintenance(conn)
 
 
-def test_python_run_maintenance_retries_after_a_lock_skip(db: str) -> None:
+def test_python_run_maintenance_retries_after_a_lock_skip(
+    db: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     with psycopg.connect(db, autocommit=True) as conn:
         name = old_partition_with_a_key(conn, 5, "old")
     with psycopg.connect(db) as long_tx, psycopg.connect(db, autocommit=True) as conn:
         long_tx.execute("SELECT count(*) FROM idempotency.keys").fetchone()
-        timer = threading.Timer(0.5, long_tx.commit)  # the long transaction ends meanwhile
-        timer.start()
+        delays: list[float] = []
+
+        def between_attempts(seconds: float) -> None:
+            """The retry delay: the long transaction ends in it (on a clock it could end
+            before the first attempt or after the second one on a loaded machine)."""
+            delays.append(seconds)
+            if len(delays) == 1:
+                long_tx.commit()
+
+        monkeypatch.setattr(maintenance, "time", types.SimpleNamespace(sleep=between_attempts))
         steps = maintenance.run_maintenance(conn, attempts=3, retry_delay=1.0)
-        timer.join()
+    assert delays == [1.0], delays
     first = [s for s in steps if s.attempt == 1 and s.partition_name == name]
     second = [s for s in steps if s.attempt == 2 and s.partition_name == name]
     assert first and first[0].skipped_for_a_lock, steps

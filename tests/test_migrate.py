@@ -19,7 +19,7 @@ from pg_idempotency.migrate import (
     migrate,
     migrations,
 )
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 REPO_MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
@@ -126,7 +126,7 @@ def test_migrate_does_not_depend_on_the_session_isolation_level(empty_db: str) -
     "isolation", [None, psycopg.IsolationLevel.REPEATABLE_READ], ids=["default", "repeatable_read"]
 )
 def test_concurrent_installers(empty_db: str, isolation: psycopg.IsolationLevel | None) -> None:
-    barrier = threading.Barrier(RACERS, timeout=60)
+    barrier = threading.Barrier(RACERS, timeout=WAIT_BOUND)
     results: list[list[int]] = []
     errors: list[BaseException] = []
     lock = threading.Lock()
@@ -148,7 +148,7 @@ def test_concurrent_installers(empty_db: str, isolation: psycopg.IsolationLevel 
     for t in threads:
         t.start()
     for t in threads:
-        t.join(timeout=120)
+        t.join(timeout=WAIT_BOUND)
     assert not any(t.is_alive() for t in threads)
     assert errors == []
     assert len(results) == RACERS
