@@ -1537,12 +1537,16 @@ COMMENT ON FUNCTION idempotency._check_time(text, text, timestamptz) IS
 
 -- sql/functions/_require_coordinator.sql
 -- Refuses a call on a Citus worker with IK022, as distribute() does, for the functions that only
--- the coordinator can serve: maintenance (its partition DDL and idempotency.maintenance_runs
--- are the coordinator's), the metrics (maintenance_runs again, and the statistics of every
--- node, gathered from the coordinator) and the status reports. On a worker they failed with
--- raw 42P01 / 42704 on coordinator-local tables. Never on the per-key path: only functions
--- that read whole tables call it. One catalog lookup when Citus is installed, none otherwise.
-CREATE FUNCTION idempotency._require_coordinator(fn text)
+-- the coordinator can serve: maintenance and its pg_cron schedule (the partition DDL and
+-- idempotency.maintenance_runs are the coordinator's), the metrics (maintenance_runs again,
+-- and the statistics of every node, gathered from the coordinator), the status reports and
+-- grant_usage() (idempotency.grants is the coordinator's, and Citus propagates GRANTs from
+-- there only). On a worker they failed with raw 42P01 / 42704 / XX000, or scheduled a job
+-- that could never run. Never on the per-key path: the per-key functions, operator ones
+-- included (inspect_key, force_release), work on a worker of a metadata-synced cluster, so
+-- none of them calls it. why, when given, replaces the DETAIL's reason. One catalog lookup
+-- when Citus is installed, none otherwise.
+CREATE FUNCTION idempotency._require_coordinator(fn text, why text DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql
 STABLE
@@ -1562,15 +1566,16 @@ BEGIN
             MESSAGE = format('%s: this node is not the Citus coordinator',
                              _require_coordinator.fn),
             ERRCODE = 'IK022',
-            DETAIL = format('This is a worker (Citus group %s). Maintenance, metrics and the '
-                            'status reports run on the coordinator, which holds '
-                            'idempotency.maintenance_runs and reaches every node.', v_group),
+            DETAIL = format('This is a worker (Citus group %s). %s', v_group, coalesce(
+                _require_coordinator.why,
+                'Maintenance, metrics and the status reports run on the coordinator, which '
+                'holds idempotency.maintenance_runs and reaches every node.')),
             HINT = 'Run it on the coordinator (docs/scale-out.md).';
     END IF;
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._require_coordinator(text) IS
+COMMENT ON FUNCTION idempotency._require_coordinator(text, text) IS
 'Internal: raise IK022 when called on a Citus worker (a node whose Citus group is not 0).';
 
 -- sql/functions/_test_clock.sql
@@ -2078,6 +2083,82 @@ COMMENT ON FUNCTION idempotency.metrics_by_scope(timestamptz) IS
 in progress''s age in seconds, released keys. Exact, one pass over those keys. See
 docs/operations.md.';
 
+-- sql/functions/schedule_maintenance.sql
+-- Registers idempotency.maintain() as the pg_cron job 'pg_idempotency_maintain' (replacing the
+-- schedule when the job exists: cron.schedule with a job name updates it), run as the calling
+-- role in this database. pg_cron must be installed here, which means this database is
+-- cron.database_name.
+CREATE OR REPLACE FUNCTION idempotency.schedule_maintenance(schedule text)
+RETURNS bigint
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_jobid bigint;
+BEGIN
+    -- A job on a worker would run maintain() there, which only the coordinator serves.
+    PERFORM idempotency._require_coordinator(
+        'idempotency.schedule_maintenance',
+        'maintain() runs on the coordinator, so its pg_cron job is scheduled there.');
+    IF schedule_maintenance.schedule IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.schedule_maintenance', 'schedule',
+                                              'IK010', 'must not be NULL',
+                                              'Pass a cron schedule such as ''*/10 * * * *''.');
+    ELSIF btrim(schedule_maintenance.schedule) = '' THEN
+        PERFORM idempotency._invalid_argument('idempotency.schedule_maintenance', 'schedule',
+                                              'IK011', 'must not be empty',
+                                              'Pass a cron schedule such as ''*/10 * * * *''.');
+    END IF;
+    PERFORM idempotency._require_pg_cron('idempotency.schedule_maintenance');
+    -- Dynamic: cron.schedule does not exist where pg_cron is not installed. pg_cron checks the
+    -- schedule itself and raises its own error for a bad one.
+    EXECUTE 'SELECT cron.schedule($1, $2, $3)'
+    INTO v_jobid
+    USING 'pg_idempotency_maintain', schedule_maintenance.schedule,
+          'SELECT * FROM idempotency.maintain()';
+    RETURN v_jobid;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.schedule_maintenance(text) IS
+'Schedule idempotency.maintain() with pg_cron as job pg_idempotency_maintain (replacing its
+schedule if it exists); returns the job id. IK020 when pg_cron is not installed, IK022 on a
+Citus worker.';
+
+-- sql/functions/unschedule_maintenance.sql
+-- Removes the pg_cron job made by schedule_maintenance() for the calling role; false when there
+-- was none (so it is safe in teardown scripts).
+CREATE OR REPLACE FUNCTION idempotency.unschedule_maintenance()
+RETURNS boolean
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_jobs bigint;
+BEGIN
+    -- The job is the coordinator's (schedule_maintenance); a worker has none to remove.
+    PERFORM idempotency._require_coordinator(
+        'idempotency.unschedule_maintenance',
+        'maintain() runs on the coordinator, so its pg_cron job is scheduled there.');
+    PERFORM idempotency._require_pg_cron('idempotency.unschedule_maintenance');
+    -- Dynamic, as in schedule_maintenance. cron.unschedule raises for a missing job; look first.
+    EXECUTE 'SELECT count(*) FROM cron.job WHERE jobname = $1 AND username = current_user'
+    INTO v_jobs
+    USING 'pg_idempotency_maintain';
+    IF v_jobs = 0 THEN
+        RETURN false;
+    END IF;
+    EXECUTE 'SELECT cron.unschedule($1)' USING 'pg_idempotency_maintain';
+    RETURN true;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.unschedule_maintenance() IS
+'Remove the pg_cron job pg_idempotency_maintain of the calling role; false when there was none.
+IK020 when pg_cron is not installed, IK022 on a Citus worker.';
+
 
 -- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
 -- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
@@ -2264,6 +2345,11 @@ DECLARE
         || 'idempotency.derive_key(text, text, text)';
     v_scope text;
 BEGIN
+    -- On a worker Citus refuses the GRANTs (XX000 "operation is not allowed on this node").
+    PERFORM idempotency._require_coordinator(
+        'idempotency.grant_usage',
+        'Grants are recorded in idempotency.grants, which the coordinator holds, and Citus '
+        'propagates GRANTs to the other nodes from the coordinator only.');
     IF grant_usage.grantee IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'grantee', 'IK010',
                                               'must not be NULL');
@@ -2336,7 +2422,8 @@ tables. kind request (handlers): claim, inbox_accept; completer (background comp
 takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
 both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
 canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
-idempotency.grants and re-applied by later migrations. See docs/sql-api.md.';
+idempotency.grants and re-applied by later migrations. IK022 on a Citus worker. See
+docs/sql-api.md.';
 
 -- sql/functions/_reapply_grants.sql
 -- Grants every role listed in idempotency.grants the functions of its kind again, as

@@ -281,3 +281,135 @@ def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> 
         with psycopg.connect(worker.dsn(citus_db.rsplit("/", 1)[1]), autocommit=True) as conn:
             assert conn.execute("SELECT to_regprocedure('idempotency._drop_released_row("
                                 "text, text, timestamptz, bigint)') IS NOT NULL").fetchone()[0]
+
+
+# -- issue 33: what a worker serves and what it refuses ----------------------------------------
+
+#: Every function that only the coordinator can serve, and why (docs/scale-out.md, "On a
+#: worker"): on a worker each answers IK022 and changes nothing.
+COORDINATOR_ONLY = {
+    "distribute": "SELECT * FROM idempotency.distribute()",
+    "maintain": "SELECT * FROM idempotency.maintain()",
+    "schedule_maintenance": "SELECT idempotency.schedule_maintenance('*/10 * * * *')",
+    "unschedule_maintenance": "SELECT idempotency.unschedule_maintenance()",
+    "metrics": "SELECT * FROM idempotency.metrics()",
+    "metrics_by_scope": "SELECT * FROM idempotency.metrics_by_scope()",
+    "key_status": "SELECT * FROM idempotency.key_status()",
+    "partition_status": "SELECT * FROM idempotency.partition_status()",
+    "grant_usage": "SELECT idempotency.grant_usage(%(role)s::regrole, kind => 'request')",
+}
+#: What the monitor kind may call: refused on a worker for that role too.
+MONITOR_CALLS = ("metrics", "metrics_by_scope")
+
+
+def _state(conn: psycopg.Connection[Any], role: str) -> tuple[Any, ...]:
+    """What any of COORDINATOR_ONLY could change, read on one node."""
+    return (
+        conn.execute("SELECT count(*) FROM pg_inherits WHERE inhparent IN"
+                     " ('idempotency.keys'::regclass, 'idempotency.inbox'::regclass,"
+                     " 'idempotency.tombstones'::regclass)").fetchone(),
+        conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone(),
+        conn.execute("SELECT has_schema_privilege(%s, 'idempotency', 'USAGE'),"
+                     " has_function_privilege(%s, 'idempotency.claim(text, text, jsonb,"
+                     " interval, bytea, boolean, timestamptz)', 'EXECUTE')",
+                     (role, role)).fetchone(),
+        conn.execute("SELECT to_regnamespace('cron') IS NULL").fetchone(),
+        conn.execute("SELECT state, count(*) FROM idempotency.keys GROUP BY 1 ORDER BY 1"
+                     ).fetchall(),
+    )
+
+
+def test_coordinator_only_functions_answer_ik022_on_every_worker(citus_cluster: Any,
+                                                                 cluster_db: str) -> None:
+    """Each coordinator-only function, called on each worker by the role that may call it (the
+    schema owner; the monitor role for the metrics), raises IK022 naming itself with the hint
+    to run it on the coordinator, and nothing changes on any node: partitions, distributed
+    tables, grants, pg_cron, keys, maintenance_runs."""
+    dbname = conninfo_to_dict(cluster_db)["dbname"]
+    role = f"app_{uuid.uuid4().hex[:8]}"
+    monitor = f"monitor_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        make_keys(conn)
+        for name in (role, monitor):
+            conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(name)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'monitor')",
+                     (monitor,))
+        runs = conn.execute("SELECT count(*) FROM idempotency.maintenance_runs").fetchone()
+        grants = conn.execute("SELECT count(*) FROM idempotency.grants").fetchone()
+    try:
+        before = {}
+        for node in citus_cluster.nodes:
+            with psycopg.connect(node.dsn(dbname), autocommit=True) as conn:
+                before[node.name] = _state(conn, role)
+        for worker in citus_cluster.workers:
+            calls = [(fn, None) for fn in COORDINATOR_ONLY] + [(fn, monitor)
+                                                               for fn in MONITOR_CALLS]
+            for fn, user in calls:
+                kw = {"user": user} if user else {}
+                with psycopg.connect(worker.dsn(dbname, **kw), autocommit=True) as conn:
+                    with pytest.raises(psycopg.Error) as info:
+                        conn.execute(COORDINATOR_ONLY[fn], {"role": role})
+                exc = info.value
+                assert exc.sqlstate == "IK022", (worker.name, fn, user, exc.sqlstate, str(exc))
+                assert exc.diag.message_primary == (
+                    f"idempotency.{fn}: this node is not the Citus coordinator"), exc
+                assert (exc.diag.message_hint or "").startswith("Run it on the coordinator ("), exc
+                if fn != "distribute":  # its own words, from before _require_coordinator
+                    assert (exc.diag.message_detail or "").startswith(
+                        "This is a worker (Citus group"), exc
+        for node in citus_cluster.nodes:
+            with psycopg.connect(node.dsn(dbname), autocommit=True) as conn:
+                assert _state(conn, role) == before[node.name], node.name
+        with psycopg.connect(cluster_db, autocommit=True) as conn:
+            assert conn.execute("SELECT count(*) FROM idempotency.maintenance_runs"
+                                ).fetchone() == runs
+            assert conn.execute("SELECT count(*) FROM idempotency.grants").fetchone() == grants
+            # The same calls on the coordinator work (pg_cron is not installed: IK020 there).
+            conn.execute(COORDINATOR_ONLY["grant_usage"], {"role": role})
+            assert conn.execute("SELECT count(*) FROM idempotency.grants").fetchone() \
+                == (grants[0] + 1,)
+            for fn in ("schedule_maintenance", "unschedule_maintenance"):
+                with pytest.raises(psycopg.Error) as info:
+                    conn.execute(COORDINATOR_ONLY[fn])
+                assert info.value.sqlstate == "IK020", fn
+    finally:
+        with psycopg.connect(cluster_db, autocommit=True) as conn:
+            for name in (role, monitor):
+                conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(name)))
+                conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(name)))
+
+
+def test_operator_functions_for_keys_work_on_a_worker(citus_cluster: Any,
+                                                      cluster_db: str) -> None:
+    """The operator functions that read or change keys through Citus's routing are not
+    coordinator-only: on a worker of the metadata-synced cluster inspect_key, list_keys and
+    list_abandoned answer what they answer on the coordinator (a key of either worker), and
+    force_release on a worker releases a key the coordinator then sees released."""
+    dbname = conninfo_to_dict(cluster_db)["dbname"]
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        conn.execute("SELECT count(*) FROM idempotency.distribute(4)")
+        make_keys(conn)
+        queries = [
+            ("SELECT * FROM idempotency.inspect_key(%s, 'done1')", (SCOPES[5],)),
+            ("SELECT * FROM idempotency.list_keys() ORDER BY scope, key", None),
+            ("SELECT * FROM idempotency.list_keys(scope => %s, state => 'in_progress')",
+             (SCOPES[0],)),
+            ("SELECT scope, key FROM idempotency.list_abandoned() ORDER BY 1, 2", None),
+        ]
+        expected = [conn.execute(q, p).fetchall() for q, p in queries]
+        assert expected[0] and len(expected[1]) == 4 * len(SCOPES) + 1
+        assert expected[3] == [(SCOPES[0], "dead")]
+    for worker in citus_cluster.workers:
+        with psycopg.connect(worker.dsn(dbname)) as conn:
+            for (q, p), want in zip(queries, expected, strict=True):
+                assert conn.execute(q, p).fetchall() == want, (worker.name, q)
+                conn.rollback()  # list_abandoned keeps its rows locked until the end
+    for i, worker in enumerate(citus_cluster.workers):
+        with psycopg.connect(worker.dsn(dbname), autocommit=True) as conn:
+            conn.execute("SELECT idempotency.force_release(%s, 'live')", (SCOPES[i],))
+    with psycopg.connect(cluster_db, autocommit=True) as conn:
+        assert conn.execute(
+            "SELECT scope, state FROM idempotency.keys WHERE key = 'live' ORDER BY scope"
+        ).fetchall() == [(s, "released" if s in SCOPES[:2] else "in_progress")
+                         for s in SCOPES]

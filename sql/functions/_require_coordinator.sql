@@ -1,10 +1,14 @@
 -- Refuses a call on a Citus worker with IK022, as distribute() does, for the functions that only
--- the coordinator can serve: maintenance (its partition DDL and idempotency.maintenance_runs
--- are the coordinator's), the metrics (maintenance_runs again, and the statistics of every
--- node, gathered from the coordinator) and the status reports. On a worker they failed with
--- raw 42P01 / 42704 on coordinator-local tables. Never on the per-key path: only functions
--- that read whole tables call it. One catalog lookup when Citus is installed, none otherwise.
-CREATE FUNCTION idempotency._require_coordinator(fn text)
+-- the coordinator can serve: maintenance and its pg_cron schedule (the partition DDL and
+-- idempotency.maintenance_runs are the coordinator's), the metrics (maintenance_runs again,
+-- and the statistics of every node, gathered from the coordinator), the status reports and
+-- grant_usage() (idempotency.grants is the coordinator's, and Citus propagates GRANTs from
+-- there only). On a worker they failed with raw 42P01 / 42704 / XX000, or scheduled a job
+-- that could never run. Never on the per-key path: the per-key functions, operator ones
+-- included (inspect_key, force_release), work on a worker of a metadata-synced cluster, so
+-- none of them calls it. why, when given, replaces the DETAIL's reason. One catalog lookup
+-- when Citus is installed, none otherwise.
+CREATE FUNCTION idempotency._require_coordinator(fn text, why text DEFAULT NULL)
 RETURNS void
 LANGUAGE plpgsql
 STABLE
@@ -24,13 +28,14 @@ BEGIN
             MESSAGE = format('%s: this node is not the Citus coordinator',
                              _require_coordinator.fn),
             ERRCODE = 'IK022',
-            DETAIL = format('This is a worker (Citus group %s). Maintenance, metrics and the '
-                            'status reports run on the coordinator, which holds '
-                            'idempotency.maintenance_runs and reaches every node.', v_group),
+            DETAIL = format('This is a worker (Citus group %s). %s', v_group, coalesce(
+                _require_coordinator.why,
+                'Maintenance, metrics and the status reports run on the coordinator, which '
+                'holds idempotency.maintenance_runs and reaches every node.')),
             HINT = 'Run it on the coordinator (docs/scale-out.md).';
     END IF;
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._require_coordinator(text) IS
+COMMENT ON FUNCTION idempotency._require_coordinator(text, text) IS
 'Internal: raise IK022 when called on a Citus worker (a node whose Citus group is not 0).';

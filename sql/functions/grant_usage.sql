@@ -46,6 +46,11 @@ DECLARE
         || 'idempotency.derive_key(text, text, text)';
     v_scope text;
 BEGIN
+    -- On a worker Citus refuses the GRANTs (XX000 "operation is not allowed on this node").
+    PERFORM idempotency._require_coordinator(
+        'idempotency.grant_usage',
+        'Grants are recorded in idempotency.grants, which the coordinator holds, and Citus '
+        'propagates GRANTs to the other nodes from the coordinator only.');
     IF grant_usage.grantee IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'grantee', 'IK010',
                                               'must not be NULL');
@@ -118,4 +123,5 @@ tables. kind request (handlers): claim, inbox_accept; completer (background comp
 takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
 both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
 canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
-idempotency.grants and re-applied by later migrations. See docs/sql-api.md.';
+idempotency.grants and re-applied by later migrations. IK022 on a Citus worker. See
+docs/sql-api.md.';

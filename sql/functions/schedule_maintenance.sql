@@ -11,6 +11,10 @@ AS $$
 DECLARE
     v_jobid bigint;
 BEGIN
+    -- A job on a worker would run maintain() there, which only the coordinator serves.
+    PERFORM idempotency._require_coordinator(
+        'idempotency.schedule_maintenance',
+        'maintain() runs on the coordinator, so its pg_cron job is scheduled there.');
     IF schedule_maintenance.schedule IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.schedule_maintenance', 'schedule',
                                               'IK010', 'must not be NULL',
@@ -33,4 +37,5 @@ $$;
 
 COMMENT ON FUNCTION idempotency.schedule_maintenance(text) IS
 'Schedule idempotency.maintain() with pg_cron as job pg_idempotency_maintain (replacing its
-schedule if it exists); returns the job id. IK020 when pg_cron is not installed.';
+schedule if it exists); returns the job id. IK020 when pg_cron is not installed, IK022 on a
+Citus worker.';

@@ -9,6 +9,10 @@ AS $$
 DECLARE
     v_jobs bigint;
 BEGIN
+    -- The job is the coordinator's (schedule_maintenance); a worker has none to remove.
+    PERFORM idempotency._require_coordinator(
+        'idempotency.unschedule_maintenance',
+        'maintain() runs on the coordinator, so its pg_cron job is scheduled there.');
     PERFORM idempotency._require_pg_cron('idempotency.unschedule_maintenance');
     -- Dynamic, as in schedule_maintenance. cron.unschedule raises for a missing job; look first.
     EXECUTE 'SELECT count(*) FROM cron.job WHERE jobname = $1 AND username = current_user'
@@ -24,4 +28,4 @@ $$;
 
 COMMENT ON FUNCTION idempotency.unschedule_maintenance() IS
 'Remove the pg_cron job pg_idempotency_maintain of the calling role; false when there was none.
-IK020 when pg_cron is not installed.';
+IK020 when pg_cron is not installed, IK022 on a Citus worker.';

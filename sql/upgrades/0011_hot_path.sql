@@ -68,6 +68,8 @@ max_response_bytes, max_headers_bytes.';
 -- @replace functions/maintain.sql
 -- @replace functions/key_status.sql
 -- @replace functions/metrics_by_scope.sql
+-- @replace functions/schedule_maintenance.sql
+-- @replace functions/unschedule_maintenance.sql
 
 -- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
 -- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
