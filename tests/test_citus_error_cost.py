@@ -17,6 +17,8 @@ import psycopg
 import pytest
 from test_citus import installed
 
+from pgharness import wait_until
+
 CALLS = 30
 
 
@@ -38,12 +40,8 @@ def _others(watchers: list[psycopg.Connection[Any]]) -> set[tuple[int, int]]:
 def _sessions(watchers: list[psycopg.Connection[Any]], baseline: set[tuple[int, int]]) -> int:
     """Sessions ever started in this database on the workers (pg_stat_database.sessions),
     once every backend not in ``baseline`` has ended (and so flushed its statistics)."""
-    for _ in range(200):
-        if _others(watchers) <= baseline:
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError(f"worker backends did not end: {_others(watchers) - baseline}")
+    wait_until(lambda: _others(watchers) <= baseline, "the worker backends to end",
+               interval=0.05)
     total = 0
     for conn in watchers:
         conn.execute("SELECT pg_stat_clear_snapshot()")

@@ -20,9 +20,9 @@ from psycopg import IsolationLevel
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-T = TypeVar("T")
+from pgharness import WAIT_BOUND
 
-BARRIER_TIMEOUT = 60  # seconds; a session stuck before the start is a harness failure
+T = TypeVar("T")
 
 CLAIM_SQL = """
 SELECT outcome, lease_token, response_status, response_headers, response_body,
@@ -55,7 +55,7 @@ def run_sessions(
 ) -> list[T]:
     """Run ``work(i, conn)`` in ``n`` threads, each on its own connection, all released at
     once by a barrier. Returns the results in session order; re-raises the first error."""
-    barrier = threading.Barrier(n, timeout=BARRIER_TIMEOUT)
+    barrier = threading.Barrier(n, timeout=WAIT_BOUND)
     results: list[Any] = [None] * n
     errors: list[BaseException] = []
 
@@ -71,10 +71,11 @@ def run_sessions(
     threads = [threading.Thread(target=session, args=(i,), daemon=True) for i in range(n)]
     for t in threads:
         t.start()
+    deadline = time.monotonic() + WAIT_BOUND  # one bound for all: they run at once
     for t in threads:
-        t.join(timeout=120)
+        t.join(max(0.0, deadline - time.monotonic()))
     if any(t.is_alive() for t in threads):
-        pytest.fail("a session did not finish within 120 s")
+        pytest.fail(f"a session did not finish within {WAIT_BOUND:.0f} s")
     if errors:
         real = [e for e in errors if not isinstance(e, threading.BrokenBarrierError)]
         raise (real or errors)[0]
@@ -121,7 +122,7 @@ def wait_until_blocked(observer: psycopg.Connection[Any], thread: threading.Thre
     """Wait until ``waiter``'s backend waits on a heavyweight lock (advisory, row or
     transaction lock); fail if ``thread`` finishes first: it should not have got through."""
     pid = waiter.info.backend_pid
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT_BOUND
     while time.monotonic() < deadline:
         if not thread.is_alive():
             pytest.fail(f"{what} did not wait for the open transaction")
@@ -131,7 +132,7 @@ def wait_until_blocked(observer: psycopg.Connection[Any], thread: threading.Thre
         if waiting and waiting[0]:
             return
         time.sleep(0.01)
-    pytest.fail(f"{what} neither finished nor waited on a lock within 10 s")
+    pytest.fail(f"{what} neither finished nor waited on a lock within {WAIT_BOUND:.0f} s")
 
 
 # -- 64 sessions x 200 keys, straddling a partition boundary ---------------------------------
@@ -249,20 +250,23 @@ def test_retries_racing_the_completion_see_in_progress_then_one_identical_replay
 
     n = 16
     outcomes: list[list[tuple[Any, ...]]] = [[] for _ in range(n)]
+    retried = threading.Event()  # a retry has seen in_progress: the owner may finish
 
     def work(i: int, conn: psycopg.Connection[Any]) -> None:
         if i == 0:  # the owner: finish the business transaction while retries hammer away
-            time.sleep(0.2)
+            assert retried.wait(WAIT_BOUND), "no retry ran while the key was in progress"
             with conn.transaction():
                 conn.execute("INSERT INTO orders VALUES (77)")
                 conn.execute("SELECT idempotency.complete('race', 'r2', %s, 200, %s)",
                              (token, Jsonb(body)))
             return
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + WAIT_BOUND
         while time.monotonic() < deadline:
             row = conn.execute(CLAIM_SQL, ("race", "r2", Jsonb(request), "5 minutes", None)
                                ).fetchone()
             outcomes[i].append(row)
+            if row[0] == "in_progress":
+                retried.set()
             if row[0] == "replay":
                 return
         raise AssertionError(f"session {i} never saw the replay")
@@ -367,7 +371,7 @@ def test_old_owner_completing_during_a_takeover_is_fenced(db: str) -> None:
         t.start()
         wait_until_blocked(observer, t, retry, "the takeover by a retry")
         old_owner.commit()
-        t.join(10)
+        t.join(WAIT_BOUND)
         assert not t.is_alive()
         assert box["row"][0] == "replay", box["row"]
 
@@ -435,7 +439,7 @@ def test_inbox_accept_rolled_back_delivery_lets_the_waiting_one_through(db: str)
         t.start()
         wait_until_blocked(observer, t, second, "a concurrent delivery")
         first.rollback()  # the first consumer crashed before committing its effects
-        t.join(10)
+        t.join(WAIT_BOUND)
         assert not t.is_alive()
         assert box["accepted"] is True
 
@@ -465,7 +469,7 @@ def test_uncommitted_claim_blocks_a_concurrent_claim_until_it_ends(db: str) -> N
             t.start()
             wait_until_blocked(observer, t, second, "the second claim")
             getattr(first, ending)()
-            t.join(10)
+            t.join(WAIT_BOUND)
             assert not t.is_alive()
     assert results == {"commit": "in_progress", "rollback": "claimed"}
     with psycopg.connect(db) as conn:

@@ -20,7 +20,7 @@ from psycopg import sql
 import conformance as conf
 from conformance import langs, psqlrunner, pyrunner
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 API = conf.load_api()
@@ -46,7 +46,7 @@ def conformance_dsn(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
 
 def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], str]:
     proc = subprocess.run([*conf.node_command(), dsn, *map(str, files)], capture_output=True,
-                          text=True, timeout=300, cwd=conf.NODE_DIR)
+                          text=True, timeout=WAIT_BOUND, cwd=conf.NODE_DIR)
     results = {}
     for line in proc.stdout.splitlines():
         record = json.loads(line)

@@ -23,13 +23,15 @@ import pytest
 from psycopg.types.json import Jsonb
 
 from conftest import FLAVOURS, MIGRATION_PSQL_ARGS, MIGRATIONS
-from pgharness import PgServer, flavour_bindir
+from pgharness import WAIT_BOUND, PgServer, flavour_bindir, wait_until
 
 LONG = os.environ.get("PG_IDEM_PROBES") == "long"
 SESSIONS = 8
 CRASHES = 3 if LONG else 1
 KILL_ROUNDS = 20 if LONG else 4  # per crash round, a few backends each
-LOAD_SECONDS = 4.0 if LONG else 0.8  # of load before the crash, per round
+# Load before the crash, per round, in keys the sessions start (a fixed time gives little
+# load on a busy machine), spread over the kill rounds.
+LOAD_KEYS = SESSIONS * (20 if LONG else 4)
 LEASE = 1.0  # seconds: a crashed owner's key can be resumed this long after its claim
 APP = "crash-load"
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
@@ -71,7 +73,15 @@ class Load:
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         for t in self.threads:
-            t.join(60)
+            t.join(WAIT_BOUND)
+        assert not any(t.is_alive() for t in self.threads), "a session hung"
+
+    def progress(self, keys: int) -> None:
+        """Wait until the sessions have started ``keys`` more keys."""
+        with self.lock:
+            target = len(self.attempted) + keys
+        wait_until(lambda: len(self.attempted) >= target or self.errors,
+                   f"{keys} more keys from the sessions")
 
     def _run(self, worker: int) -> None:
         n = 0
@@ -136,9 +146,9 @@ def test_kills_and_an_immediate_shutdown_leave_ledger_and_completions_one_to_one
     for round_no in range(CRASHES):
         with Load(dsn, round_no) as load:
             for _ in range(KILL_ROUNDS):
-                time.sleep(LOAD_SECONDS / (KILL_ROUNDS + 1))
+                load.progress(LOAD_KEYS // (KILL_ROUNDS + 1))
                 kills += _kill_some(dsn, rng)
-            time.sleep(LOAD_SECONDS / (KILL_ROUNDS + 1))
+            load.progress(LOAD_KEYS // (KILL_ROUNDS + 1))
             durable.crash()  # immediate shutdown while the sessions are mid-key
             load.stop.set()
         durable.restart()

@@ -17,6 +17,7 @@ import pytest
 
 import pg_idempotency as idem
 from pg_idempotency.core import key_hash
+from pgharness import WAIT_BOUND
 
 SECRET_KEY = "key-4f1c-SECRET"
 SECRET_BODY = "card-4242-BODY"
@@ -131,7 +132,7 @@ def test_no_stderr_in_an_app_without_logging_configured(db: str, variant: str) -
     logging.lastResort in an application that configured no logging: the package logger has
     a NullHandler. The control run without it shows that this subprocess would print them."""
     out = subprocess.run([sys.executable, "-c", QUIET_APP, variant], capture_output=True,
-                         text=True, timeout=120, env=dict(os.environ, IDEM_DSN=db))
+                         text=True, timeout=WAIT_BOUND, env=dict(os.environ, IDEM_DSN=db))
     assert out.returncode == 0 and out.stdout == "done\n", out
     if variant == "as shipped":
         assert out.stderr == ""

@@ -24,7 +24,7 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
 from pg_idempotency.migrate import RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
@@ -74,7 +74,7 @@ def _run(args: list[str], cwd: Path, env: dict[str, str] | None = None
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("PG", "DJANGO"))}
     clean["PYTHONPATH"] = str(cwd)
     return subprocess.run(args, cwd=cwd, env={**clean, **(env or {})}, capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=WAIT_BOUND)
 
 
 def _applied(dsn: str) -> list[int]:
@@ -104,7 +104,7 @@ def test_psql_loop_as_documented(server: PgServer, empty_db: str) -> None:
     loop = _doc_block("for f in migrations/*.sql; do psql", "")
     assert loop.count("\n") == 1, loop
     done = subprocess.run(["bash", "-euc", loop], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env={
+                          timeout=WAIT_BOUND, env={
                               **{k: v for k, v in os.environ.items() if not k.startswith("PG")},
                               "PATH": f"{server.bindir}:{os.environ['PATH']}",
                               "DATABASE_URL": empty_db})

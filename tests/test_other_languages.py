@@ -17,7 +17,7 @@ from pathlib import Path
 import psycopg
 
 from conformance import HERE, NODE_DIR, langs, node_command
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "other-languages.md"
@@ -59,13 +59,13 @@ def test_psql_example(server: PgServer, db: str) -> None:
 
 def test_node_example(db: str) -> None:
     proc = subprocess.run([*node_command("payment_check.mjs"), db],
-                          capture_output=True, text=True, timeout=120, cwd=NODE_DIR)
+                          capture_output=True, text=True, timeout=WAIT_BOUND, cwd=NODE_DIR)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [DONE]
 
 
 def _check(argv: list[str]) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=WAIT_BOUND, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [DONE]
 

@@ -22,7 +22,7 @@ import psycopg
 import pytest
 from psycopg.types.json import Jsonb
 
-from pgharness import PgServer, flavour_bindir
+from pgharness import WAIT_BOUND, PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 CRON_DB = "crondb"
@@ -117,7 +117,7 @@ def test_pg_cron_itself_runs_the_job_and_drops_an_expired_partition(cron_dsn: st
         jobid = conn.execute("SELECT idempotency.schedule_maintenance('* * * * *')"
                              ).fetchone()[0]
         try:
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + WAIT_BOUND
             while time.monotonic() < deadline:
                 run = conn.execute("SELECT status, return_message FROM cron.job_run_details "
                                    "WHERE jobid = %s AND status IN ('succeeded', 'failed')",
@@ -126,7 +126,8 @@ def test_pg_cron_itself_runs_the_job_and_drops_an_expired_partition(cron_dsn: st
                     break
                 time.sleep(1)
             else:
-                pytest.fail("pg_cron did not run the job within 180 s (scheduled every minute)")
+                pytest.fail(f"pg_cron did not run the job within {WAIT_BOUND:.0f} s "
+                            "(scheduled every minute)")
             assert run[0] == "succeeded", run
             assert conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()[0] is None
         finally:

@@ -24,10 +24,13 @@ import pytest
 import pg_idempotency as idem
 from pg_idempotency import api, core
 from pg_idempotency.errors import KeyInProgress, KeyMismatch
-from pgharness import PgBouncer, PgServer
+from pgharness import WAIT_BOUND, PgBouncer, PgServer
 
 APP_ROLE = "idem_bouncer_app"
 CLIENTS = 32
+# A live lease in these tests: it must not run out while a loaded machine serves 32 clients
+# through 4 server connections (an owner's claim, heartbeat, checkpoint and complete).
+LIVE = WAIT_BOUND
 KEYS = 50
 
 
@@ -79,11 +82,11 @@ def test_lifecycle_through_pgbouncer_transaction_mode(bouncer_db: tuple[PgBounce
         with pytest.raises(KeyMismatch), idem.operation(other, "shop", "order-1", {"qty": 3}):
             pass
         # checkpoint, heartbeat; 409 for a second attempt while the lease is live
-        held = api.claim(conn, "shop", "order-2", {"sku": "b"}, lease=30)
+        held = api.claim(conn, "shop", "order-2", {"sku": "b"}, lease=LIVE)
         assert held.outcome == "claimed"
         with conn.transaction():
             api.checkpoint(conn, "shop", "order-2", held.lease_token, "charged")
-        api.heartbeat(conn, "shop", "order-2", held.lease_token, lease=30)
+        api.heartbeat(conn, "shop", "order-2", held.lease_token, lease=LIVE)
         with pytest.raises(KeyInProgress) as busy, \
                 idem.operation(other, "shop", "order-2", {"sku": "b"}):
             pass
@@ -97,7 +100,7 @@ def test_lifecycle_through_pgbouncer_transaction_mode(bouncer_db: tuple[PgBounce
         with conn.transaction():
             abandoned = api.list_abandoned(conn, 10, scope="shop")
             assert [k.key for k in abandoned] == ["order-2"]
-            taken = api.takeover(conn, "shop", "order-2", lease=30)
+            taken = api.takeover(conn, "shop", "order-2", lease=LIVE)
         assert taken.outcome == "resumed" and taken.lease_token > again.lease_token
         with conn.transaction():
             conn.execute("INSERT INTO public.orders VALUES ('order-2', 1)")
@@ -126,16 +129,16 @@ def race(bouncer: PgBouncer, dbname: str) -> tuple[Counter[str], Counter[str], l
     def client(i: int) -> None:
         try:
             with connect(bouncer, dbname) as conn:
-                start.wait(30)
+                start.wait(WAIT_BOUND)
                 for k in range(KEYS):
                     key = f"race-{(k + i) % KEYS}"  # clients start on different keys
-                    r = api.claim(conn, "race", key, {"k": key}, lease=30)
+                    r = api.claim(conn, "race", key, {"k": key}, lease=LIVE)
                     with lock:
                         outcomes[r.outcome.value] += 1
                     if r.outcome == "claimed":
                         with lock:
                             owners[key] += 1
-                        api.heartbeat(conn, "race", key, r.lease_token, lease=30)
+                        api.heartbeat(conn, "race", key, r.lease_token, lease=LIVE)
                         with conn.transaction():
                             api.checkpoint(conn, "race", key, r.lease_token, "charged")
                         with conn.transaction():
@@ -146,9 +149,9 @@ def race(bouncer: PgBouncer, dbname: str) -> tuple[Counter[str], Counter[str], l
                             api.complete(conn, "race", key, r.lease_token, 200, {"k": key})
                     if k % 10 == 0:  # a key of this client's own, released after a heartbeat
                         own = f"own-{i}-{k}"
-                        mine = api.claim(conn, "own", own, {"k": own}, lease=30)
+                        mine = api.claim(conn, "own", own, {"k": own}, lease=LIVE)
                         assert mine.outcome == "claimed", (own, mine.outcome)
-                        api.heartbeat(conn, "own", own, mine.lease_token, lease=30)
+                        api.heartbeat(conn, "own", own, mine.lease_token, lease=LIVE)
                         api.release(conn, "own", own, mine.lease_token)
         except Exception as exc:  # noqa: BLE001 - every failure is reported below
             with lock:
@@ -158,7 +161,8 @@ def race(bouncer: PgBouncer, dbname: str) -> tuple[Counter[str], Counter[str], l
     for t in threads:
         t.start()
     for t in threads:
-        t.join(120)
+        t.join(WAIT_BOUND)
+    assert not any(t.is_alive() for t in threads), "a client hung"
     return outcomes, owners, errors
 
 

@@ -28,7 +28,7 @@ from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from conftest import login_roles
-from pgharness import PgServer, free_port
+from pgharness import WAIT_BOUND, PgServer, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "monitoring"
@@ -79,11 +79,11 @@ def test_metrics_of_keys_in_known_states(server: PgServer, db: str) -> None:
         assert abs(m["oldest_in_progress_age_seconds"] - HOURS_AGO * 3600) < 60
         assert abs(m["oldest_expired_lease_age_seconds"] - (HOURS_AGO * 3600 - 60)) < 60
         # The statistics collector's counts trail the commits by up to a second or so.
-        deadline = time.monotonic() + 10
-        while m["keys_total_estimate"] != 5 and time.monotonic() < deadline:
-            time.sleep(0.2)
-            m = metrics(conn)
-        assert m["keys_total_estimate"] == 5
+        def counted() -> dict[str, Any] | None:
+            now = metrics(conn)
+            return now if now["keys_total_estimate"] == 5 else None
+
+        m = wait_until(counted, "keys_total_estimate to reach 5")
         assert m["keys_completed_estimate"] == 2  # neither in progress nor released
         assert conn.execute("SELECT * FROM idempotency.metrics_by_scope()").fetchall() == [
             (SCOPE, 2, 1, pytest.approx(HOURS_AGO * 3600, abs=60), 1)]
@@ -153,7 +153,7 @@ def exporter(dsn: str, tmp: Path) -> Iterator[str]:
         env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/metrics"
     try:
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + WAIT_BOUND
         while True:
             try:
                 urllib.request.urlopen(url, timeout=5).read()
@@ -179,7 +179,7 @@ SAMPLE_RE = re.compile(r"^(pg_idempotency\w*)(\{[^}]*\})? (\S+)$", re.M)
 
 def scrape(url: str) -> dict[str, dict[str, float]]:
     """{metric name: {label text: value}} of our metrics."""
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    text = urllib.request.urlopen(url, timeout=WAIT_BOUND).read().decode()
     out: dict[str, dict[str, float]] = {}
     for name, labels, value in SAMPLE_RE.findall(text):
         out.setdefault(name, {})[labels] = float(value)
@@ -215,7 +215,7 @@ def test_the_postgres_exporter_scrapes_our_metrics(
             scope_hash = hashlib.sha256(SCOPE.encode()).hexdigest()[:12]
             assert one(s, "pg_idempotency_scope_keys_in_progress",
                        f'scope_hash="{scope_hash}"') == 2
-            raw = urllib.request.urlopen(url, timeout=30).read().decode()
+            raw = urllib.request.urlopen(url, timeout=WAIT_BOUND).read().decode()
             assert f'"{SCOPE}"' not in raw and "scope=" not in raw
 
         # The metrics move: a completer takes the expired key over and finishes it, the live
@@ -254,6 +254,7 @@ def test_the_exporter_follows_the_retry_storm_demo(
               "count(*) FILTER (WHERE state = 'released') FROM idempotency.keys")
     with login_roles(server, db, "monitor") as (role,):
         dsn = db.replace("postgres@", f"{role}@", 1) + "?sslmode=disable"
+        first_scrape = time.monotonic()  # no earlier than the exporter's first (cached) scan
         with exporter(dsn, tmp_path) as url:
             before = scrape(url)
             assert one(before, "pg_idempotency_keys_total_estimate") == 0
@@ -283,12 +284,12 @@ def test_the_exporter_follows_the_retry_storm_demo(
                 keys, in_progress, released = conn.execute(counts).fetchone()
             assert keys == protected["intents"]  # one key per payment on the protected side
             # The uncached gauge catches up with the table once the statistics are flushed.
-            deadline = time.monotonic() + 15
-            after = scrape(url)
-            while (one(after, "pg_idempotency_keys_total_estimate") != keys
-                   and time.monotonic() < deadline):
-                time.sleep(0.3)
-                after = scrape(url)
+            def caught_up() -> dict[str, dict[str, float]] | None:
+                now = scrape(url)
+                return now if one(now, "pg_idempotency_keys_total_estimate") == keys else None
+
+            after = wait_until(caught_up, f"pg_idempotency_keys_total_estimate = {keys}")
+            cache_age = time.monotonic() - first_scrape
             totals = [one(s, "pg_idempotency_keys_total_estimate")
                       for s in (before, *during, after)]
             assert len(during) >= 2, totals
@@ -296,8 +297,14 @@ def test_the_exporter_follows_the_retry_storm_demo(
             assert totals == sorted(totals), totals  # keys are only added in the storm
             assert any(0 < t < keys for t in totals[1:-1]), totals  # seen mid-storm
             # The scan-based gauges are cached for 60 s (cache_seconds): this process still
-            # shows what its first scrape saw.
-            assert one(after, "pg_idempotency_keys_completed_estimate") == 0
+            # shows what its first scrape saw. On a machine loaded enough that the storm took
+            # longer than that, the cache may have expired: then it shows the table.
+            completed = one(after, "pg_idempotency_keys_completed_estimate")
+            if cache_age < 55:
+                assert completed == 0, completed
+            else:
+                print(f"cache older than its 60 s ({cache_age:.0f} s): completed {completed}")
+                assert completed in (0, keys - in_progress - released), completed
 
         with psycopg.connect(db, autocommit=True) as conn:
             steps = conn.execute("SELECT count(*) FROM idempotency.maintain()").fetchone()[0]
@@ -322,7 +329,7 @@ def test_the_exporter_follows_the_retry_storm_demo(
 def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     need(PROMTOOL)
     return subprocess.run([PROMTOOL, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=WAIT_BOUND)
 
 
 def test_alert_rules_pass_promtool_and_a_wrong_expectation_fails(tmp_path: Path) -> None:
@@ -378,7 +385,7 @@ def test_without_the_monitor_grant_the_series_vanish_and_an_alert_fires(
 
 def scrape_all(url: str) -> dict[str, float]:
     """Every unlabelled sample of a scrape, and our labelled ones by name (one each here)."""
-    text = urllib.request.urlopen(url, timeout=30).read().decode()
+    text = urllib.request.urlopen(url, timeout=WAIT_BOUND).read().decode()
     out: dict[str, float] = {}
     for name, _labels, value in re.findall(r"^(\w+)(\{[^}]*\})? (\S+)$", text, re.M):
         if name.startswith(("pg_up", "pg_exporter_", "pg_idempotency")):

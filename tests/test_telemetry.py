@@ -33,6 +33,7 @@ from opentelemetry.trace import StatusCode
 import pg_idempotency as idem
 from pg_idempotency import aio, telemetry
 from pg_idempotency.core import key_hash
+from pgharness import WAIT_BOUND
 
 SCOPE = "acct-SECRET-SCOPE"
 KEY = "key-SECRET-7f3a"
@@ -306,7 +307,7 @@ NO_OTEL_APP = textwrap.dedent("""
 def test_without_opentelemetry_the_hooks_are_no_ops(db: str) -> None:
     assert telemetry.ENABLED  # in this process the test extra installed it
     out = subprocess.run([sys.executable, "-c", NO_OTEL_APP], capture_output=True, text=True,
-                         timeout=120, env=dict(os.environ, IDEM_DSN=db))
+                         timeout=WAIT_BOUND, env=dict(os.environ, IDEM_DSN=db))
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines() == ["replay {'b': 2}", "['opentelemetry']"], out
     assert out.stderr == ""

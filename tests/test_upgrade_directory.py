@@ -21,7 +21,7 @@ import pytest
 from psycopg.types.json import Jsonb
 from test_install import INSTALL_ARGS, MIGRATIONS, reinstall_this_build, scratch_db
 
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 CLAIM = ("SELECT outcome, lease_token, response_body, created_at "
          "FROM idempotency.claim(%s, %s, %s, reference_time => %s)")
@@ -139,7 +139,7 @@ def test_migrate_0004_to_0005_with_live_keys(server: PgServer) -> None:
             st = make_state(conn)
         proc = subprocess.run(
             [sys.executable, "-m", "pg_idempotency.cli", "migrate", "--dsn", db],
-            capture_output=True, text=True, timeout=120, check=False)
+            capture_output=True, text=True, timeout=WAIT_BOUND, check=False)
         assert proc.returncode == 0, (proc.stdout, proc.stderr)
         assert "0005_directory" in proc.stdout + proc.stderr, proc.stdout
         with psycopg.connect(db, autocommit=True) as conn:

@@ -29,6 +29,7 @@ from pg_idempotency.fingerprint import (
     fingerprint,
     loads,
 )
+from pgharness import WAIT_BOUND
 
 VECTORS_FILE = Path(__file__).resolve().parent / "vectors" / "fingerprint.json"
 VECTORS = json.loads(VECTORS_FILE.read_text(encoding="utf-8"))
@@ -105,7 +106,7 @@ def _vectors_command(lang: str) -> list[str]:
 @pytest.mark.parametrize("lang", langs.LANGS)
 def test_vectors_from_other_languages(db: str, lang: str, tmp_path: Path) -> None:
     proc = subprocess.run([*_vectors_command(lang), str(VECTORS_FILE), db], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=WAIT_BOUND)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [f"vectors: {len(FP)} fingerprint, {len(DK)} derive_key,"
                                         " 0 failed"]
@@ -118,7 +119,7 @@ def test_vectors_from_other_languages(db: str, lang: str, tmp_path: Path) -> Non
     bad = tmp_path / "fingerprint.json"
     bad.write_text(json.dumps(changed), encoding="utf-8")
     proc = subprocess.run([*_vectors_command(lang), str(bad), db], capture_output=True,
-                          text=True, timeout=300)
+                          text=True, timeout=WAIT_BOUND)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert proc.stdout.splitlines() == [f"vectors: {len(FP)} fingerprint, {len(DK)} derive_key,"
                                         " 3 failed"], proc.stderr

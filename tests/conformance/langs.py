@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from conformance import API_FILE, HERE
+from pgharness import WAIT_BOUND
 
 ROOT = HERE.parent.parent
 BUILD = ROOT / "build" / "conformance"
@@ -40,7 +41,7 @@ def _digest(files: list[Path]) -> str:
 
 
 def _compile(argv: list[str], env: dict[str, str] | None = None) -> None:
-    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=WAIT_BOUND)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(argv)} failed:\n{proc.stdout}{proc.stderr}")
 
@@ -114,7 +115,7 @@ def runner_command(lang: str) -> list[str]:
 
 
 def run_runner(lang: str, dsn: str, files: list[Path],
-               timeout: float = 300) -> tuple[int, dict[str, list[str]], str]:
+               timeout: float = WAIT_BOUND) -> tuple[int, dict[str, list[str]], str]:
     """Run one runner over ``files``: (exit code, failures by scenario name, stderr)."""
     proc = subprocess.run([*runner_command(lang), str(API_FILE), dsn, *map(str, files)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
