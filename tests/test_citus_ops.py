@@ -13,7 +13,6 @@ Checked through the coordinator, with keys spread over the shards of both worker
 
 from __future__ import annotations
 
-import time
 import uuid
 from collections.abc import Iterator
 from datetime import datetime, timedelta, timezone
@@ -26,6 +25,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
+from pgharness import wait_until
 
 SCOPES = [f"tenant_{i}" for i in range(6)]
 HOURS_AGO = 2
@@ -55,13 +55,12 @@ def metrics(conn: psycopg.Connection[Any], reference_time: str | None = None) ->
 def wait_for(conn: psycopg.Connection[Any], column: str, value: int,
               reference_time: str | None = None) -> dict[str, Any]:
     """metrics() once ``column`` reads ``value``: the workers' statistics trail the commits by
-    up to a second or so."""
-    deadline = time.monotonic() + 15
-    m = metrics(conn, reference_time)
-    while m[column] != value and time.monotonic() < deadline:
-        time.sleep(0.3)
+    up to a second or so (more on a busy machine)."""
+    def read() -> dict[str, Any] | None:
         m = metrics(conn, reference_time)
-    return m
+        return m if m[column] == value else None
+
+    return wait_until(read, f"metrics().{column} = {value}", interval=0.3)
 
 
 def make_keys(conn: psycopg.Connection[Any]) -> dict[str, Any]:

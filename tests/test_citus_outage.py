@@ -21,6 +21,7 @@ from __future__ import annotations
 import collections
 import os
 import random
+import re
 import signal
 import threading
 import time
@@ -34,6 +35,7 @@ from test_citus import Cluster, installed
 
 import pg_idempotency as idem
 from pg_idempotency.errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, is_unavailable
+from pgharness import WAIT_BOUND, wait_until
 
 CLIENTS = 6
 TENANTS_PER_WORKER = 4
@@ -42,15 +44,7 @@ LEASE = 2.0
 # The package's retry_after (1 s) is meant for real clients; the test scales it down so that
 # the run takes seconds, and keeps the full jitter.
 BACKOFF_SCALE = 0.1
-EVENT_TIMEOUT = 60.0
-
-
-def _commit_cut(exc: BaseException) -> bool:
-    """Citus's answer when the worker dies during the COMMIT it relays: XX000 "could not commit
-    transaction for shard ... on at least one active node" (seen on 13.2.2; docs/scale-out.md).
-    Whether it committed is unknown: the payment is retried, and its claim replays or resumes."""
-    return (isinstance(exc, psycopg.Error) and exc.sqlstate == "XX000"
-            and "could not commit transaction for shard" in str(exc))
+EVENT_TIMEOUT = WAIT_BOUND
 
 
 def _worker_of(cluster: Cluster, scope: str) -> int:
@@ -134,8 +128,10 @@ class Load:
                 outcome = self._pay(conn, scope, key)
             except (idem.DatabaseUnavailable, psycopg.Error) as exc:
                 # The package raises DatabaseUnavailable from its own calls; the ledger insert
-                # and the COMMIT are ours, so is_unavailable() classifies psycopg's error.
-                if not is_unavailable(exc) and not _commit_cut(exc):
+                # and the COMMIT are ours, so is_unavailable() classifies psycopg's error (also
+                # Citus's XX000 for a worker lost during the COMMIT it relays, whose outcome is
+                # unknown: the payment is retried, and its claim replays or resumes).
+                if not is_unavailable(exc):
                     self._other(scope, key, exc, conn)
                     continue
                 with self.cond:
@@ -221,7 +217,7 @@ def test_a_killed_worker_loses_nothing_and_stalls_only_its_tenants(outage_cluste
         postmaster = server._pg.child_process  # noqa: SLF001 (the harness's process)
         t_kill = time.monotonic()
         os.kill(postmaster.pid, signal.SIGKILL)
-        postmaster.wait(30)
+        postmaster.wait(WAIT_BOUND)
         server._pg.child_process = None  # noqa: SLF001
         killed_at = (list(load.acked_by_worker), list(load.unavailable_by_worker))
         # While it is down: its tenants' calls fail as outages, the other worker's complete.
@@ -232,20 +228,22 @@ def test_a_killed_worker_loses_nothing_and_stalls_only_its_tenants(outage_cluste
         during = (list(load.acked_by_worker), list(load.unavailable_by_worker))
         t_restart = time.monotonic()
         # Orphaned backends of the killed postmaster must be gone before it can start again.
-        for _ in range(100):
+        deadline = time.monotonic() + WAIT_BOUND
+        while True:
             try:
                 server._pg.start()  # noqa: SLF001
                 break
             except RuntimeError:
+                assert time.monotonic() < deadline, "the killed worker never started again"
                 time.sleep(0.2)
         load.wait_for("completions on the restarted worker",
                       lambda: load.acked_by_worker[victim] >= during[0][victim] + 10)
         for t in threads:
-            t.join(120)
+            t.join(WAIT_BOUND)
     finally:
         load.stop.set()
         for t in threads:
-            t.join(30)
+            t.join(WAIT_BOUND)
     assert not any(t.is_alive() for t in threads)
     assert not load.queue, f"{len(load.queue)} payments never done"
     # The outage: its tenants stalled (no completion for them between the kill and the
@@ -277,3 +275,112 @@ def test_a_killed_worker_loses_nothing_and_stalls_only_its_tenants(outage_cluste
     print(f"acked {len(load.acked)} (by worker {load.acked_by_worker}); DatabaseUnavailable"
           f" by worker {load.unavailable_by_worker}; other errors {len(load.other_errors)}:"
           f" {load.other_errors[:3]}")
+
+
+#: The advisory lock the worker's deferred trigger waits on, so that a COMMIT is in flight on
+#: the worker (its deferred triggers run inside it) when the test kills that backend.
+HOLD_LOCK = 0x1D3A_C0DE
+
+
+def test_a_worker_lost_during_the_commit_it_relays_is_an_outage(outage_cluster: Any) -> None:
+    """The worker's backend dies in the middle of the COMMIT the coordinator relays to it
+    (SIGKILL while a deferred trigger on the ledger's shard, which runs inside that COMMIT,
+    waits on an advisory lock the test holds). Citus answers the client's COMMIT (here the one
+    ``op.complete()`` sends with complete()) with XX000 "could not commit transaction for
+    shard ..."; the package raises DatabaseUnavailable for it (an HTTP adapter: 503 +
+    Retry-After). The outcome of such a COMMIT is unknown to the client, so it retries with the
+    same key, as docs/scale-out.md says, until the engine answers: one ledger row, the key
+    completed, the retry's 201."""
+    cluster, role = outage_cluster
+    victim = 0
+    scope = next(s for s in (f"tenant_{uuid.uuid4().hex[:8]}" for _ in range(1000))
+                 if _worker_of(cluster, s) == victim)
+    server = cluster.workers[victim]
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        shard = conn.execute("SELECT get_shard_id_for_distribution_column('ledger', %s::text)",
+                             (scope,)).fetchone()[0]
+    wdsn = server.dsn(cluster.db)
+    with psycopg.connect(wdsn, autocommit=True) as conn:
+        conn.execute("SET citus.enable_ddl_propagation = off")
+        conn.execute("CREATE OR REPLACE FUNCTION public.hold_commit() RETURNS trigger"
+                     " LANGUAGE plpgsql AS $$BEGIN PERFORM pg_advisory_xact_lock("
+                     f"{HOLD_LOCK}); RETURN NULL; END$$")
+        conn.execute(sql.SQL(
+            "CREATE CONSTRAINT TRIGGER hold_commit AFTER INSERT ON public.{}"
+            " DEFERRABLE INITIALLY DEFERRED FOR EACH ROW"
+            " WHEN (NEW.payment LIKE 'cut-%') EXECUTE FUNCTION public.hold_commit()"
+        ).format(sql.Identifier(f"ledger_{shard}")))
+    holder = psycopg.connect(wdsn, autocommit=True)
+    holder.execute("SELECT pg_advisory_lock(%s)", (HOLD_LOCK,))
+    seen: list[BaseException] = []
+
+    def pay() -> None:
+        with psycopg.connect(cluster.coordinator.dsn(cluster.db, user=role)) as conn:
+            try:
+                with idem.operation(conn, scope, "cut-1", {"amount": 1}, lease=LEASE) as op:
+                    conn.execute("INSERT INTO ledger VALUES (%s, 'cut-1', 1)", (scope,))
+                    op.complete(201, {"paid": "cut-1"})
+            except BaseException as exc:  # noqa: BLE001 - what the client saw, asserted below
+                seen.append(exc)
+
+    client = threading.Thread(target=pay)
+    client.start()
+    try:
+        def waiting() -> int | None:
+            row = holder.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
+                " AND wait_event_type = 'Lock' AND wait_event = 'advisory'").fetchone()
+            return row[0] if row else None
+
+        os.kill(wait_until(waiting, "the COMMIT waiting in the worker's deferred trigger"),
+                signal.SIGKILL)
+        client.join(WAIT_BOUND)
+        assert not client.is_alive()
+    finally:
+        holder.close()  # the worker's crash restart has ended its session already
+    assert len(seen) == 1, seen
+    exc = seen[0]
+    assert isinstance(exc, idem.DatabaseUnavailable), repr(exc)
+    cause = exc.pgerror
+    assert isinstance(cause, psycopg.Error) and cause.sqlstate == "XX000", repr(cause)
+    # The shard it names is one of the co-located group's (the keys' or the ledger's).
+    assert re.fullmatch(r"could not commit transaction for shard \d+ on at least one active"
+                        r" node", cause.diag.message_primary or ""), cause.diag.message_primary
+    print(f"\nthe client saw {type(exc).__name__}: {cause.sqlstate} {cause.diag.message_primary}")
+
+    # The worker restarts by itself (crash recovery). The client retries the same key.
+    wait_until(lambda: _accepts(wdsn), "the worker accepting connections after its crash")
+    answers: list[str] = []
+
+    def retry() -> Any:
+        with psycopg.connect(cluster.coordinator.dsn(cluster.db, user=role)) as conn:
+            try:
+                with idem.operation(conn, scope, "cut-1", {"amount": 1}, lease=LEASE) as op:
+                    if op.replay is not None:
+                        answers.append("replay")
+                        return op.replay
+                    conn.execute("INSERT INTO ledger VALUES (%s, 'cut-1', 1)", (scope,))
+                    answers.append(str(op.outcome))
+                    return op.complete(201, {"paid": "cut-1"})
+            except (idem.KeyInProgress, idem.DatabaseUnavailable) as exc:
+                answers.append(type(exc).__name__)  # the lost attempt's lease, or recovery
+                time.sleep(0.2)
+                return None
+
+    stored = wait_until(retry, "the retry's answer")
+    assert stored.status == 201, stored
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT count(*) FROM ledger WHERE account = %s AND payment ="
+                            " 'cut-1'", (scope,)).fetchone() == (1,)
+        assert conn.execute("SELECT state FROM idempotency.keys WHERE scope = %s AND key ="
+                            " 'cut-1'", (scope,)).fetchone() == ("completed",)
+    print(f"the retries saw: {answers}")
+
+
+def _accepts(dsn: str) -> bool:
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT 1")
+    except psycopg.OperationalError:
+        return False
+    return True

@@ -32,7 +32,8 @@ psycopg raised them.
     ├── ScopeNotGranted           IK023 (takeover / list_abandoned by a completer limited to
     │                             other scopes)
     ├── DatabaseUnavailable       the database cannot be reached: SQLSTATE class 08, 57P01..57P03,
-    │                             or a lost / refused connection (no SQLSTATE)
+    │                             a lost / refused connection (no SQLSTATE), or Citus's XX000
+    │                             for a worker lost mid-transaction or mid-COMMIT
     └── UsageError                the Python API was used wrongly (no SQLSTATE)
 """
 
@@ -232,6 +233,17 @@ DEFAULT_UNAVAILABLE_RETRY_AFTER = 1.0
 #: admin_shutdown, crash_shutdown, cannot_connect_now (starting up, shutting down, recovery).
 _UNAVAILABLE_SQLSTATES = frozenset({"57P01", "57P02", "57P03"})
 
+#: What a Citus coordinator says, with SQLSTATE XX000 (internal_error) and nothing else to tell
+#: them by, when its connection to a worker failed inside the transaction: at the COMMIT it
+#: relays (the worker died or was cut off before answering, so whether the worker committed is
+#: unknown; Citus's placement_connection.c) or on a connection the transaction had already
+#: written through (remote_transaction.c). Citus's messages are not translated (it has no
+#: message catalogs), so their text is stable across lc_messages.
+_CITUS_UNAVAILABLE_PREFIXES = (
+    "could not commit transaction for shard ",
+    "failure on connection marked as essential: ",
+)
+
 
 class DatabaseUnavailable(IdempotencyError):
     """The database cannot be reached now: the connection was refused or lost (psycopg's
@@ -240,7 +252,15 @@ class DatabaseUnavailable(IdempotencyError):
     down, crashed, or starting up). Nothing the call was part of is known to have committed,
     except what the caller committed before; a key claimed by a lost claim stays in progress
     until its lease expires. Retry after ``retry_after`` seconds (plus jitter, so that retries
-    spread); the HTTP adapters answer 503 with Retry-After and store nothing."""
+    spread); the HTTP adapters answer 503 with Retry-After and store nothing.
+
+    On Citus it is also the coordinator's XX000 "could not commit transaction for shard ..."
+    (a worker lost during the COMMIT it relayed: the worker may or may not have committed) and
+    "failure on connection marked as essential: ..." (a worker lost mid-transaction). After a
+    COMMIT, yours or the one ``complete()`` sends, the outcome is unknown: retry the whole
+    request with the same key, and the engine makes that safe (it replays the stored answer if
+    the commit happened, and runs the request again once the lease expires if it did not).
+    ``pgerror`` is the driver's error."""
 
     sqlstate = None
 
@@ -311,7 +331,9 @@ def argument_too_large(function: str, argument: str, size: int, limit: int, sett
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` itself says the database cannot be reached: a
     :class:`DatabaseUnavailable`, or a psycopg error of SQLSTATE class 08 or 57P01..57P03, or
-    an OperationalError without a SQLSTATE (refused, lost, closed). A query canceled (57014)
+    an OperationalError without a SQLSTATE (refused, lost, closed), or a Citus coordinator's
+    XX000 for a worker lost mid-transaction or mid-COMMIT (whose outcome is then unknown; see
+    :class:`DatabaseUnavailable`). A query canceled (57014)
     or a deadlock is not: those are the statement's; nor is psycopg_pool's PoolTimeout (no
     connection of a pool free in time: the adapters answer it on their own, and a handler
     that starves its own pool is a bug to see, not an outage)."""
@@ -322,6 +344,8 @@ def is_unavailable(exc: BaseException) -> bool:
     state = exc.sqlstate
     if state is None:
         return isinstance(exc, psycopg.OperationalError)
+    if state == "XX000":
+        return (exc.diag.message_primary or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
     return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
 
 
