@@ -1242,6 +1242,55 @@ COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
 whitespace), as defined in docs/fingerprint.md. Refuses a value larger than
 settings.max_request_bytes (IK018).';
 
+-- maintain()'s rule for the newest rows in one function, which partition_status() and
+-- metrics() follow too: what they call due is what the next run drops.
+-- sql/functions/_keep_from.sql
+-- The start of the newest interval of parent (keys, inbox or tombstones) that holds any row:
+-- the newest ranged partition with a row, or the partition_interval bucket of the default
+-- partition's newest row when that is newer; NULL when the table is empty. maintain() never
+-- drops or deletes a row from there on, however far ahead its reference_time (a reference_time
+-- in 9998 once dropped every key, and every retry after it executed again), and
+-- partition_status() and metrics() use the same rule, so that what they call due is what the
+-- next maintain() drops. Partitions are read newest first and only until a row is found: the
+-- ones made ahead are empty, so this usually reads two or three of them.
+CREATE FUNCTION idempotency._keep_from(parent text, partition_interval interval)
+RETURNS timestamptz
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_part record;
+    v_found boolean;
+    v_keep_from timestamptz;
+    v_default_newest timestamptz;
+BEGIN
+    FOR v_part IN
+        SELECT p.partition_name, p.lower_bound FROM idempotency._partitions(_keep_from.parent) AS p
+        WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
+        ORDER BY p.lower_bound DESC
+    LOOP
+        -- (SELECT 1: Citus plans "SELECT FROM" a distributed table as a record.)
+        EXECUTE format('SELECT EXISTS (SELECT 1 FROM idempotency.%I)', v_part.partition_name)
+        INTO v_found;
+        IF v_found THEN
+            v_keep_from := v_part.lower_bound;
+            EXIT;
+        END IF;
+    END LOOP;
+    EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
+                   CASE _keep_from.parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END,
+                   _keep_from.parent || '_default')
+    INTO v_default_newest
+    USING _keep_from.partition_interval, timestamptz '2000-01-01 00:00:00+00';
+    RETURN greatest(v_keep_from, v_default_newest);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._keep_from(text, interval) IS
+'Internal: the start of the newest partition_interval of parent (keys, inbox, tombstones) that
+holds a row (NULL: none); maintain() keeps every row from there on.';
+
 -- sql/functions/metrics.sql
 -- Gauges for Prometheus (docs/operations.md: the postgres exporter's queries file), or any
 -- scraper in any language, after pgmq's metrics() convention: one row, one column per gauge.
@@ -1257,7 +1306,10 @@ settings.max_request_bytes (IK018).';
 --   - totals, completed keys, tombstones, rows in the default partition: the statistics
 --     collector's live-tuple counts (pg_stat_all_tables.n_live_tup), estimates that lag a
 --     little behind, read per partition without touching a row;
---   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes);
+--   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes); while a
+--     partition is past its retention (until the next maintain() drops it, or for good on a
+--     system that took no newer rows), also whether the newest partitions hold a row
+--     (_keep_from: maintain() keeps those);
 --   - on Citus (after distribute()), the same statistics and sizes, summed on each node over
 --     the shards it holds.
 --   - the last maintain() run: the newest row of idempotency.maintenance_runs.
@@ -1280,6 +1332,11 @@ DECLARE
     v_oldest timestamptz;
     v_oldest_expired timestamptz;
     v_next_drop timestamptz;
+    v_parent text;
+    v_window interval;
+    v_part record;
+    v_keep_from timestamptz;
+    v_keep_read boolean;
     -- A record, not idempotency.maintenance_runs: that table is the coordinator's alone, and a
     -- row type naming it would fail to compile on a worker before IK022 could be raised.
     v_run record;
@@ -1395,19 +1452,39 @@ BEGIN
     v_out.premake := v_settings.premake;
 
     -- As partition_status(): a partition goes once it is wholly older than its window, never
-    -- the newest one; keys and inbox only while maintain() manages their partitions.
-    SELECT min(p.upper_bound + CASE t.parent WHEN 'tombstones'
-                                   THEN v_settings.tombstone_retention
-                                   ELSE v_settings.retention END)
-    INTO v_next_drop
-    FROM unnest(ARRAY['keys', 'inbox', 'tombstones']) AS t (parent)
-    CROSS JOIN LATERAL idempotency._partitions(t.parent) AS p
-    WHERE NOT p.is_default
-      AND (t.parent = 'tombstones' OR v_settings.manage_partitions)
-      AND p.upper_bound < (
-          SELECT max(n.upper_bound) FROM idempotency._partitions(t.parent) AS n
-          WHERE NOT n.is_default
-      );
+    -- the newest one, nor one that holds the newest rows or comes after it (_keep_from); keys
+    -- and inbox only while maintain() manages their partitions. _keep_from reads rows (an
+    -- EXISTS per partition from the newest down, max() of the default partition), so it is
+    -- asked only when a partition is past its window: after each maintain() run, none is.
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
+        CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        v_keep_read := false;
+        v_keep_from := NULL;
+        FOR v_part IN
+            SELECT p.upper_bound FROM idempotency._partitions(v_parent) AS p
+            WHERE NOT p.is_default
+              AND p.upper_bound < (
+                  SELECT max(n.upper_bound) FROM idempotency._partitions(v_parent) AS n
+                  WHERE NOT n.is_default
+              )
+            ORDER BY p.upper_bound
+        LOOP
+            IF v_part.upper_bound + v_window <= v_now THEN
+                IF NOT v_keep_read THEN
+                    v_keep_from := idempotency._keep_from(v_parent,
+                                                          v_settings.partition_interval);
+                    v_keep_read := true;
+                END IF;
+                -- Past its window but kept: not due until newer rows come.
+                CONTINUE WHEN v_part.upper_bound > coalesce(v_keep_from, 'infinity');
+            END IF;
+            -- The earliest of this table (the partitions come oldest first).
+            v_next_drop := least(v_next_drop, v_part.upper_bound + v_window);
+            EXIT;
+        END LOOP;
+    END LOOP;
     v_out.next_drop_seconds := extract(EPOCH FROM v_next_drop - v_now)::double precision;
 
     SELECT r.* INTO v_run FROM idempotency.maintenance_runs AS r ORDER BY r.id DESC LIMIT 1;
@@ -1447,6 +1524,7 @@ DECLARE
     v_settings idempotency.settings;
     v_parent text;
     v_newest timestamptz;
+    v_keep_from timestamptz;
     v_window interval;
     v_part record;
     v_row idempotency.partition_status;
@@ -1468,6 +1546,10 @@ BEGIN
                                   ELSE v_settings.retention END;
         SELECT max(p.upper_bound) INTO v_newest
         FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        v_keep_from := NULL;
+        IF v_parent = 'tombstones' OR v_settings.manage_partitions THEN
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
+        END IF;
         FOR v_part IN
             SELECT p.* FROM idempotency._partitions(v_parent) AS p
         LOOP
@@ -1484,6 +1566,11 @@ BEGIN
                 v_row.note := 'managed elsewhere';
             ELSIF v_part.upper_bound = v_newest THEN
                 v_row.note := 'newest';
+            ELSIF v_part.upper_bound + v_window <= v_now
+                  AND v_part.upper_bound > coalesce(v_keep_from, 'infinity') THEN
+                -- Past its window, but maintain() keeps it: it holds the newest rows, or comes
+                -- after the partition that does (_keep_from). It goes once newer rows exist.
+                v_row.note := 'kept';
             ELSE
                 v_row.drop_after := v_part.upper_bound + v_window;
                 v_row.note := CASE
@@ -1500,8 +1587,10 @@ $$;
 
 COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
 'Every partition of keys, inbox and tombstones: bounds, exact row count, total
-size, and drop_after (when maintain() will drop it; NULL for the default and the newest
-partition).';
+size, drop_after (when maintain() will drop it; NULL for the default and the newest
+partition, and for one it keeps past its retention because it holds the newest rows or comes
+after the one that does) and a note (default, newest, kept, ahead, current, retained, due,
+managed elsewhere).';
 
 
 -- Time arguments checked against one range (IK014, never 22008 from inside), and maintain()
@@ -1667,7 +1756,6 @@ DECLARE
     v_keep_from timestamptz;
     v_cutoff timestamptz;
     v_column text;
-    v_found boolean;
     v_part record;
     v_count bigint;
     v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
@@ -1718,31 +1806,13 @@ BEGIN
         -- The rows of the newest interval that holds any are never dropped or deleted, however
         -- far ahead reference_time is, so that no argument empties the table (a reference_time
         -- in 9998 dropped every key, and every retry after it executed again). v_keep_from is
-        -- the start of that interval: the newest ranged partition with a row, or the
-        -- partition_interval bucket of the default partition's newest row when that is newer.
+        -- the start of that interval (_keep_from, which partition_status() and metrics() use
+        -- too).
         -- The cost: a system that took no new row for longer than the window keeps its last
         -- interval's rows until newer ones come (docs/maintenance.md).
         v_keep_from := NULL;
         IF v_window IS NOT NULL THEN
-            FOR v_part IN
-                SELECT p.partition_name, p.lower_bound FROM idempotency._partitions(v_parent) AS p
-                WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
-                ORDER BY p.lower_bound DESC
-            LOOP
-                -- (SELECT 1: Citus plans "SELECT FROM" a distributed table as a record.)
-                EXECUTE format('SELECT EXISTS (SELECT 1 FROM idempotency.%I)',
-                               v_part.partition_name)
-                INTO v_found;
-                IF v_found THEN
-                    v_keep_from := v_part.lower_bound;
-                    EXIT;
-                END IF;
-            END LOOP;
-            EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
-                           v_column, v_parent || '_default')
-            INTO v_newest
-            USING v_settings.partition_interval, timestamptz '2000-01-01 00:00:00+00';
-            v_keep_from := greatest(v_keep_from, v_newest);
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
         END IF;
         -- Rows (and partitions wholly) before v_cutoff go.
         v_cutoff := least(_maintain.reference_time - v_window, v_keep_from);

@@ -337,3 +337,47 @@ def test_the_python_api_surfaces_an_expired_key(db: str) -> None:
     with psycopg.connect(db) as conn:
         assert conn.execute("SELECT count(*) FROM idempotency.keys WHERE key = 'gone'"
                             ).fetchone()[0] == 0
+
+
+# -- status and metrics agree with maintain() about the newest rows ------------------------------
+
+
+def test_status_and_metrics_do_not_call_due_what_maintain_keeps(db: str) -> None:
+    """An idle system: the only key is 5 days old. maintain() keeps its partition (it holds the
+    newest rows); partition_status() says 'kept' (no drop_after, never 'due') and metrics()'s
+    next drop is not overdue. Once a newer key exists, all three agree that it goes."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        lo = day_start(conn, -5)
+        conn.execute("SELECT idempotency._create_partition('keys', %s, %s)",
+                     (lo, lo + timedelta(days=1)))
+        conn.execute(CLAIM, ("mt", "idle", Jsonb({}), lo + timedelta(hours=1)))
+        name = conn.execute("SELECT tableoid::regclass::text FROM idempotency.keys "
+                            "WHERE key = 'idle'").fetchone()[0].removeprefix("idempotency.")
+
+        def status() -> tuple[Any, Any]:
+            return conn.execute(
+                "SELECT note, drop_after FROM idempotency.partition_status() "
+                "WHERE partition_name = %s", (name,)).fetchone()
+
+        def next_drop() -> float:
+            return conn.execute(
+                "SELECT next_drop_seconds FROM idempotency.metrics(scan => false)").fetchone()[0]
+
+        assert status() == ("kept", None)
+        assert next_drop() > 0  # today's partition, a day after it ends
+        steps = conn.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
+        assert [(s[0], s[4]) for s in steps if s[2] == name] == [
+            ("skipped", "never dropped: it holds the newest rows, or comes after them")], steps
+        assert exists(conn, name)
+
+        # A newer key: the old partition is due, overdue in metrics, and the next run drops it.
+        conn.execute("SELECT idempotency.claim('mt', 'fresh', '{}')")
+        note, drop_after = status()
+        assert note == "due" and drop_after == lo + timedelta(days=2), (note, drop_after)
+        assert next_drop() == pytest.approx(
+            (drop_after - datetime.now().astimezone()).total_seconds(), abs=60)
+        assert next_drop() < 0
+        steps = conn.execute(MAINTAIN, (datetime.now().astimezone(),)).fetchall()
+        assert ("dropped", "keys", name, 1) in [s[:4] for s in steps], steps
+        assert not exists(conn, name)
+        assert next_drop() > 0

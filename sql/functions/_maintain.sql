@@ -36,7 +36,6 @@ DECLARE
     v_keep_from timestamptz;
     v_cutoff timestamptz;
     v_column text;
-    v_found boolean;
     v_part record;
     v_count bigint;
     v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
@@ -87,31 +86,13 @@ BEGIN
         -- The rows of the newest interval that holds any are never dropped or deleted, however
         -- far ahead reference_time is, so that no argument empties the table (a reference_time
         -- in 9998 dropped every key, and every retry after it executed again). v_keep_from is
-        -- the start of that interval: the newest ranged partition with a row, or the
-        -- partition_interval bucket of the default partition's newest row when that is newer.
+        -- the start of that interval (_keep_from, which partition_status() and metrics() use
+        -- too).
         -- The cost: a system that took no new row for longer than the window keeps its last
         -- interval's rows until newer ones come (docs/maintenance.md).
         v_keep_from := NULL;
         IF v_window IS NOT NULL THEN
-            FOR v_part IN
-                SELECT p.partition_name, p.lower_bound FROM idempotency._partitions(v_parent) AS p
-                WHERE NOT p.is_default AND p.lower_bound IS NOT NULL
-                ORDER BY p.lower_bound DESC
-            LOOP
-                -- (SELECT 1: Citus plans "SELECT FROM" a distributed table as a record.)
-                EXECUTE format('SELECT EXISTS (SELECT 1 FROM idempotency.%I)',
-                               v_part.partition_name)
-                INTO v_found;
-                IF v_found THEN
-                    v_keep_from := v_part.lower_bound;
-                    EXIT;
-                END IF;
-            END LOOP;
-            EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
-                           v_column, v_parent || '_default')
-            INTO v_newest
-            USING v_settings.partition_interval, timestamptz '2000-01-01 00:00:00+00';
-            v_keep_from := greatest(v_keep_from, v_newest);
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
         END IF;
         -- Rows (and partitions wholly) before v_cutoff go.
         v_cutoff := least(_maintain.reference_time - v_window, v_keep_from);

@@ -12,7 +12,10 @@
 --   - totals, completed keys, tombstones, rows in the default partition: the statistics
 --     collector's live-tuple counts (pg_stat_all_tables.n_live_tup), estimates that lag a
 --     little behind, read per partition without touching a row;
---   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes);
+--   - partitions, bytes and the next drop: the catalog (pg_inherits, relation sizes); while a
+--     partition is past its retention (until the next maintain() drops it, or for good on a
+--     system that took no newer rows), also whether the newest partitions hold a row
+--     (_keep_from: maintain() keeps those);
 --   - on Citus (after distribute()), the same statistics and sizes, summed on each node over
 --     the shards it holds.
 --   - the last maintain() run: the newest row of idempotency.maintenance_runs.
@@ -35,6 +38,11 @@ DECLARE
     v_oldest timestamptz;
     v_oldest_expired timestamptz;
     v_next_drop timestamptz;
+    v_parent text;
+    v_window interval;
+    v_part record;
+    v_keep_from timestamptz;
+    v_keep_read boolean;
     -- A record, not idempotency.maintenance_runs: that table is the coordinator's alone, and a
     -- row type naming it would fail to compile on a worker before IK022 could be raised.
     v_run record;
@@ -150,19 +158,39 @@ BEGIN
     v_out.premake := v_settings.premake;
 
     -- As partition_status(): a partition goes once it is wholly older than its window, never
-    -- the newest one; keys and inbox only while maintain() manages their partitions.
-    SELECT min(p.upper_bound + CASE t.parent WHEN 'tombstones'
-                                   THEN v_settings.tombstone_retention
-                                   ELSE v_settings.retention END)
-    INTO v_next_drop
-    FROM unnest(ARRAY['keys', 'inbox', 'tombstones']) AS t (parent)
-    CROSS JOIN LATERAL idempotency._partitions(t.parent) AS p
-    WHERE NOT p.is_default
-      AND (t.parent = 'tombstones' OR v_settings.manage_partitions)
-      AND p.upper_bound < (
-          SELECT max(n.upper_bound) FROM idempotency._partitions(t.parent) AS n
-          WHERE NOT n.is_default
-      );
+    -- the newest one, nor one that holds the newest rows or comes after it (_keep_from); keys
+    -- and inbox only while maintain() manages their partitions. _keep_from reads rows (an
+    -- EXISTS per partition from the newest down, max() of the default partition), so it is
+    -- asked only when a partition is past its window: after each maintain() run, none is.
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
+        CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        v_keep_read := false;
+        v_keep_from := NULL;
+        FOR v_part IN
+            SELECT p.upper_bound FROM idempotency._partitions(v_parent) AS p
+            WHERE NOT p.is_default
+              AND p.upper_bound < (
+                  SELECT max(n.upper_bound) FROM idempotency._partitions(v_parent) AS n
+                  WHERE NOT n.is_default
+              )
+            ORDER BY p.upper_bound
+        LOOP
+            IF v_part.upper_bound + v_window <= v_now THEN
+                IF NOT v_keep_read THEN
+                    v_keep_from := idempotency._keep_from(v_parent,
+                                                          v_settings.partition_interval);
+                    v_keep_read := true;
+                END IF;
+                -- Past its window but kept: not due until newer rows come.
+                CONTINUE WHEN v_part.upper_bound > coalesce(v_keep_from, 'infinity');
+            END IF;
+            -- The earliest of this table (the partitions come oldest first).
+            v_next_drop := least(v_next_drop, v_part.upper_bound + v_window);
+            EXIT;
+        END LOOP;
+    END LOOP;
     v_out.next_drop_seconds := extract(EPOCH FROM v_next_drop - v_now)::double precision;
 
     SELECT r.* INTO v_run FROM idempotency.maintenance_runs AS r ORDER BY r.id DESC LIMIT 1;

@@ -12,6 +12,7 @@ DECLARE
     v_settings idempotency.settings;
     v_parent text;
     v_newest timestamptz;
+    v_keep_from timestamptz;
     v_window interval;
     v_part record;
     v_row idempotency.partition_status;
@@ -33,6 +34,10 @@ BEGIN
                                   ELSE v_settings.retention END;
         SELECT max(p.upper_bound) INTO v_newest
         FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        v_keep_from := NULL;
+        IF v_parent = 'tombstones' OR v_settings.manage_partitions THEN
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
+        END IF;
         FOR v_part IN
             SELECT p.* FROM idempotency._partitions(v_parent) AS p
         LOOP
@@ -49,6 +54,11 @@ BEGIN
                 v_row.note := 'managed elsewhere';
             ELSIF v_part.upper_bound = v_newest THEN
                 v_row.note := 'newest';
+            ELSIF v_part.upper_bound + v_window <= v_now
+                  AND v_part.upper_bound > coalesce(v_keep_from, 'infinity') THEN
+                -- Past its window, but maintain() keeps it: it holds the newest rows, or comes
+                -- after the partition that does (_keep_from). It goes once newer rows exist.
+                v_row.note := 'kept';
             ELSE
                 v_row.drop_after := v_part.upper_bound + v_window;
                 v_row.note := CASE
@@ -65,5 +75,7 @@ $$;
 
 COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
 'Every partition of keys, inbox and tombstones: bounds, exact row count, total
-size, and drop_after (when maintain() will drop it; NULL for the default and the newest
-partition).';
+size, drop_after (when maintain() will drop it; NULL for the default and the newest
+partition, and for one it keeps past its retention because it holds the newest rows or comes
+after the one that does) and a note (default, newest, kept, ahead, current, retained, due,
+managed elsewhere).';
