@@ -250,6 +250,20 @@ def test_django_page(payments: PgServer, tmp_path: Path) -> None:
     assert pay != curl_lines[0]
     with serving(f"{run} 127.0.0.1:{port}", project, env, port, tmp_path / "django.log"):
         first, second = curl(pay, project, env), curl(pay, project, env)
+        # A client's mistakes are answered 422 by the page's view, never 500; under new keys.
+        body = "'{\"account\": \"alice\", \"amount\": \"12.50\"}'"
+        assert body in pay
+        mistakes = {bad: curl(pay.replace("Idempotency-Key: k1", f"Idempotency-Key: bad-{n}")
+                              .replace(body, f"'{bad}'"), project, env)[0]
+                    for n, bad in enumerate(['[1]', 'null', '{"amount"', '{"account": "a"}',
+                                             '{"account": "a", "amount": "x"}',
+                                             '{"account": "a", "amount": "1e30"}',
+                                             '{"account": "a", "amount": "NaN"}',
+                                             '{"account": "a", "amount": "0.001"}',
+                                             '{"account": "a", "amount": -1}',
+                                             '{"account": "a\\u0000", "amount": 1}',
+                                             '{"account": 7, "amount": 1}'])}
+    assert mistakes == dict.fromkeys(mistakes, 422), mistakes
     assert first[0] != 403, first  # CSRF
     assert_replayed(first, second)
     assert query(server, "SELECT count(*) FROM ledger_payment") == [(1,)]
