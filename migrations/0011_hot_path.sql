@@ -631,7 +631,9 @@ migration from 0011 on.';
 --                                        table would only add a write to every node per run
 --   claim, complete, complete_bytes,     delegated to the node holding the scope's shard, inside
 --   heartbeat, checkpoint, accept,       transaction blocks too (force_delegation): the whole
---   release, takeover; inbox_accept      body runs there, next to the rows, in one hop
+--   release, takeover, heartbeat_,       body runs there, next to the rows, in one hop
+--   checkpoint_ and release_outcome;
+--   inbox_accept
 --   every other function                 created on every node (the delegated bodies call them)
 --
 -- What keeps the guarantees wherever a call runs (delegated, inside a subquery or a transaction
@@ -651,7 +653,8 @@ DECLARE
     v_fn record;
     v_delegated constant text[] := ARRAY[
         'claim', 'complete', 'complete_bytes', 'heartbeat', 'checkpoint', 'accept', 'release',
-        'takeover', 'inbox_accept'];
+        'takeover', 'inbox_accept', 'heartbeat_outcome', 'checkpoint_outcome',
+        'release_outcome'];
     v_coordinator boolean;
     v_done boolean;
 BEGIN
@@ -2410,6 +2413,10 @@ DECLARE
         || 'idempotency.accept(text, text, bigint, integer, jsonb, jsonb, interval, '
         || 'timestamptz), '
         || 'idempotency.release(text, text, bigint), '
+        || 'idempotency.heartbeat_outcome(text, text, bigint, interval, timestamptz), '
+        || 'idempotency.checkpoint_outcome(text, text, bigint, text, interval, '
+        || 'timestamptz), '
+        || 'idempotency.release_outcome(text, text, bigint), '
         || 'idempotency.fingerprint(jsonb, jsonb, text[]), '
         || 'idempotency.canonical_json(jsonb), '
         || 'idempotency.derive_key(text, text, text)';
@@ -2490,10 +2497,10 @@ COMMENT ON FUNCTION idempotency.grant_usage(regrole, text, text[]) IS
 'Let grantee call the functions of one kind of application role, without any privilege on the
 tables. kind request (handlers): claim, inbox_accept; completer (background completers):
 takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
-both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
-canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
-idempotency.grants and re-applied by later migrations. IK022 on a Citus worker. See
-docs/sql-api.md.';
+both: checkpoint, heartbeat, complete, complete_bytes, accept, release, heartbeat_outcome,
+checkpoint_outcome, release_outcome, fingerprint, canonical_json, derive_key; monitor
+(scrapers): metrics, metrics_by_scope. Recorded in idempotency.grants and re-applied by later
+migrations. IK022 on a Citus worker. See docs/sql-api.md.';
 
 -- sql/functions/_reapply_grants.sql
 -- Grants every role listed in idempotency.grants the functions of its kind again, as
@@ -2745,26 +2752,18 @@ max_keys (1-10000). Reads every partition. Schema owner only. See docs/operation
 
 -- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
 -- in the partition of now, so every key state costs the same statements.
--- sql/functions/_lease_error.sql
--- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
--- raises the documented error. Raising, not returning false, is the point: the caller's
--- business writes in the same transaction must roll back with it.
+-- sql/functions/_lease_outcome.sql
+-- Why a fenced write matched no row: 'completed' when the caller's token is the one that
+-- completed the key, 'lease_lost' in every other case (in progress under another token,
+-- released, completed by another attempt, absent). _lease_error raises IK004 / IK001 from it;
+-- heartbeat_outcome, checkpoint_outcome and release_outcome return it as their outcome.
 --
--- No oracle: unless the caller's token is the key's own, the answer is IK001 with the same text
--- whether the key is in progress under another token, completed, released or absent. So a
--- caller that knows (or guesses) another scope's key learns nothing about it from a wrong
--- token (before 0.9.0, IK003 / IK001 / IK004 told absent, in progress and completed apart).
--- Only the owner, whose token matches, is told that its key is already completed (IK004).
---
--- No timing oracle either: the callers (heartbeat, checkpoint, release, accept, complete,
--- complete_bytes) and this function send a key missing from key_directory to the partition of
--- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
--- absent, in progress, completed or released. What remains is measured in
--- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
-CREATE OR REPLACE FUNCTION idempotency._lease_error(
-    fn text, scope text, key text, lease_token bigint
-)
-RETURNS void
+-- No oracle: only the owner of the completing token learns more than 'lease_lost'. No timing
+-- oracle: a key missing from key_directory is looked for in the partition of now, so the same
+-- statements probe the same indexes whatever the key's state (see _lease_error and
+-- docs/design.md, "No timing oracle").
+CREATE FUNCTION idempotency._lease_outcome(scope text, key text, lease_token bigint)
+RETURNS text
 LANGUAGE plpgsql
 STABLE
 SET search_path = pg_catalog, pg_temp
@@ -2776,17 +2775,54 @@ DECLARE
 BEGIN
     SELECT d.created_at INTO v_created_at
     FROM idempotency.key_directory AS d
-    WHERE d.scope = _lease_error.scope
-      AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
+    WHERE d.scope = _lease_outcome.scope
+      AND d.key_hash = sha256(convert_to(_lease_outcome.key, 'UTF8'));
     -- A key not in the directory is looked for in the partition of now, so that the lookup
     -- below probes a partition whatever the key's state (see the header).
     v_created_at := coalesce(v_created_at, clock_timestamp());
     PERFORM
     FROM idempotency.keys AS k
-    WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key
-      AND k.created_at = v_created_at AND k.lease_token = _lease_error.lease_token
+    WHERE k.scope = _lease_outcome.scope AND k.key = _lease_outcome.key
+      AND k.created_at = v_created_at AND k.lease_token = _lease_outcome.lease_token
       AND k.state = 'completed';
-    IF FOUND THEN
+    RETURN CASE WHEN FOUND THEN 'completed' ELSE 'lease_lost' END;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._lease_outcome(text, text, bigint) IS
+'Internal: completed (the key was completed with this token) or lease_lost (any other case, the
+same for every key state), for a fenced write that matched no row.';
+
+-- sql/functions/_lease_error.sql
+-- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
+-- raises the documented error. Raising, not returning false, is the point: the caller's
+-- business writes in the same transaction must roll back with it. (heartbeat_outcome,
+-- checkpoint_outcome and release_outcome answer the same as an outcome instead, for callers
+-- that roll back themselves: on Citus an error costs a new worker connection.)
+--
+-- No oracle: unless the caller's token is the key's own, the answer is IK001 with the same text
+-- whether the key is in progress under another token, completed, released or absent. So a
+-- caller that knows (or guesses) another scope's key learns nothing about it from a wrong
+-- token (before 0.9.0, IK003 / IK001 / IK004 told absent, in progress and completed apart).
+-- Only the owner, whose token matches, is told that its key is already completed (IK004).
+--
+-- No timing oracle either: the callers (heartbeat, checkpoint, release, accept, complete,
+-- complete_bytes) and _lease_outcome send a key missing from key_directory to the partition of
+-- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
+-- absent, in progress, completed or released. What remains is measured in
+-- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
+CREATE OR REPLACE FUNCTION idempotency._lease_error(
+    fn text, scope text, key text, lease_token bigint
+)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    -- The lookup is _lease_outcome's, shared with the functions that answer an outcome.
+    IF idempotency._lease_outcome(_lease_error.scope, _lease_error.key,
+                                  _lease_error.lease_token) = 'completed' THEN
         RAISE EXCEPTION USING
             MESSAGE = format('%s: key %s in scope %s is already completed', _lease_error.fn,
                              to_json(_lease_error.key), to_json(_lease_error.scope)),
@@ -3002,6 +3038,253 @@ $$;
 COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
 'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
 Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- Outcomes instead of errors (issue 33): on Citus every error raised on a worker costs the
+-- session a new worker connection. heartbeat_outcome, checkpoint_outcome and release_outcome
+-- answer lease_lost / completed as a value (type lease_outcome) where heartbeat, checkpoint and
+-- release raise IK001 / IK004, which they still do. New objects: a distributed install runs
+-- idempotency.distribute() again after this migration to delegate them (docs/scale-out.md).
+-- sql/types/lease_outcome.sql
+-- What heartbeat_outcome(), checkpoint_outcome() and release_outcome() return: the answer of a
+-- fenced call as a value instead of an error (issue 33). Columns are public API.
+CREATE TYPE idempotency.lease_outcome AS (
+    -- ok | lease_lost (IK001 from the raising form: not the key's current token, the same for
+    -- every key state) | completed (IK004: the key was completed with this very token)
+    outcome text,
+    -- ok from heartbeat_outcome / checkpoint_outcome: the lease's expiry; NULL otherwise.
+    lease_expires_at timestamptz
+);
+
+COMMENT ON TYPE idempotency.lease_outcome IS
+'Result of idempotency.heartbeat_outcome(), checkpoint_outcome() and release_outcome(): outcome
+ok, lease_lost or completed, and the lease expiry after ok.';
+
+-- sql/functions/heartbeat_outcome.sql
+-- heartbeat() with the lost lease as an answer, not an error (issue 33): the same checks, the
+-- same statements, the same answers, but 'lease_lost' / 'completed' come back as the outcome
+-- instead of IK001 / IK004. Through a Citus coordinator every error raised on a worker makes
+-- Citus drop the session's connection to that worker, so the next call opens a new one (a
+-- new worker backend: 6-13 ms against well under 1 ms, tests/test_citus_error_cost.py); an
+-- old owner that heartbeats after a takeover is a common answer, not an exception. heartbeat
+-- writes nothing of the caller's, so nothing needs the error's rollback. Bad arguments still
+-- raise (a caller's bug). Keep the body in step with heartbeat.sql: the timing-oracle
+-- property (the same statements for every key state) holds for both.
+CREATE FUNCTION idempotency.heartbeat_outcome(
+    scope text,
+    key text,
+    lease_token bigint,
+    lease interval DEFAULT '30 seconds',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.lease_outcome
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN heartbeat_outcome.reference_time IS NULL
+        THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.heartbeat_outcome',
+                                     heartbeat_outcome.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(heartbeat_outcome.scope)
+                    AND idempotency._name_ok(heartbeat_outcome.key)
+                    AND heartbeat_outcome.lease_token IS NOT NULL
+                    AND idempotency._lease_ok(heartbeat_outcome.lease), false) THEN
+        PERFORM idempotency._check_name('idempotency.heartbeat_outcome', 'scope',
+                                        heartbeat_outcome.scope);
+        PERFORM idempotency._check_name('idempotency.heartbeat_outcome', 'key',
+                                        heartbeat_outcome.key);
+        IF heartbeat_outcome.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.heartbeat_outcome',
+                                                  'lease_token', 'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_lease('idempotency.heartbeat_outcome', 'lease',
+                                         heartbeat_outcome.lease);
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = heartbeat_outcome.scope
+      AND d.key_hash = sha256(convert_to(heartbeat_outcome.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, v_now);
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    v_expires := idempotency._heartbeat_row(heartbeat_outcome.scope, heartbeat_outcome.key,
+                                            heartbeat_outcome.lease_token, v_created_at,
+                                            v_now + heartbeat_outcome.lease);
+    IF v_expires IS NOT NULL THEN
+        RETURN ROW('ok', v_expires)::idempotency.lease_outcome;
+    END IF;
+    RETURN ROW(idempotency._lease_outcome(heartbeat_outcome.scope, heartbeat_outcome.key,
+                                          heartbeat_outcome.lease_token),
+               NULL)::idempotency.lease_outcome;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.heartbeat_outcome(text, text, bigint, interval, timestamptz) IS
+'heartbeat() answering with an outcome instead of an error: ok with the new lease expiry,
+lease_lost (where heartbeat raises IK001) or completed (IK004). Raises only for bad arguments.
+On Citus an error costs the session a new worker connection; an outcome does not.';
+
+-- sql/functions/checkpoint_outcome.sql
+-- checkpoint() with the lost lease as an answer, not an error (issue 33; see
+-- heartbeat_outcome for why on Citus). Unlike checkpoint(), a lost lease does not abort the
+-- caller's transaction: the caller must roll back the step's writes itself on any outcome but
+-- 'ok' (the Python package's Operation does, then raises LeaseLost). For a caller that cannot
+-- promise that, checkpoint() stays the right call. Keep the body in step with checkpoint.sql.
+CREATE FUNCTION idempotency.checkpoint_outcome(
+    scope text,
+    key text,
+    lease_token bigint,
+    recovery_point text,
+    extend interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.lease_outcome
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN checkpoint_outcome.reference_time IS NULL
+        THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.checkpoint_outcome',
+                                     checkpoint_outcome.reference_time) END;
+    v_created_at timestamptz;
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(checkpoint_outcome.scope)
+                    AND idempotency._name_ok(checkpoint_outcome.key)
+                    AND checkpoint_outcome.lease_token IS NOT NULL
+                    AND idempotency._name_ok(checkpoint_outcome.recovery_point)
+                    AND (checkpoint_outcome.extend IS NULL
+                         OR idempotency._lease_ok(checkpoint_outcome.extend)), false) THEN
+        PERFORM idempotency._check_name('idempotency.checkpoint_outcome', 'scope',
+                                        checkpoint_outcome.scope);
+        PERFORM idempotency._check_name('idempotency.checkpoint_outcome', 'key',
+                                        checkpoint_outcome.key);
+        IF checkpoint_outcome.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.checkpoint_outcome',
+                                                  'lease_token', 'IK010', 'must not be NULL');
+        END IF;
+        PERFORM idempotency._check_name('idempotency.checkpoint_outcome', 'recovery_point',
+                                        checkpoint_outcome.recovery_point);
+        IF checkpoint_outcome.extend IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.checkpoint_outcome', 'extend',
+                                             checkpoint_outcome.extend);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = checkpoint_outcome.scope
+      AND d.key_hash = sha256(convert_to(checkpoint_outcome.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, v_now);
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no extend) keeps the lease as it is.
+    v_expires := idempotency._checkpoint_row(checkpoint_outcome.scope, checkpoint_outcome.key,
+                                             checkpoint_outcome.lease_token, v_created_at,
+                                             checkpoint_outcome.recovery_point,
+                                             v_now + checkpoint_outcome.extend);
+    IF v_expires IS NOT NULL THEN
+        RETURN ROW('ok', v_expires)::idempotency.lease_outcome;
+    END IF;
+    RETURN ROW(idempotency._lease_outcome(checkpoint_outcome.scope, checkpoint_outcome.key,
+                                          checkpoint_outcome.lease_token),
+               NULL)::idempotency.lease_outcome;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.checkpoint_outcome(
+    text, text, bigint, text, interval, timestamptz
+) IS
+'checkpoint() answering with an outcome instead of an error: ok with the lease expiry,
+lease_lost (where checkpoint raises IK001) or completed (IK004). Then nothing was recorded, and
+the caller must roll back its own writes of this transaction itself. Raises only for bad
+arguments. On Citus an error costs the session a new worker connection; an outcome does not.';
+
+-- sql/functions/release_outcome.sql
+-- release() with the lost lease as an answer, not an error (issue 33; see heartbeat_outcome
+-- for why on Citus): 'ok', or 'lease_lost' / 'completed' where release raises IK001 / IK004.
+-- release writes nothing else of the caller's, so nothing needs the error's rollback. Bad
+-- arguments still raise. Keep the body in step with release.sql.
+CREATE FUNCTION idempotency.release_outcome(scope text, key text, lease_token bigint)
+RETURNS idempotency.lease_outcome
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_created_at timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks inside it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    IF NOT coalesce(idempotency._name_ok(release_outcome.scope)
+                    AND idempotency._name_ok(release_outcome.key)
+                    AND release_outcome.lease_token IS NOT NULL, false) THEN
+        PERFORM idempotency._check_name('idempotency.release_outcome', 'scope',
+                                        release_outcome.scope);
+        PERFORM idempotency._check_name('idempotency.release_outcome', 'key',
+                                        release_outcome.key);
+        IF release_outcome.lease_token IS NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.release_outcome', 'lease_token',
+                                                  'IK010', 'must not be NULL');
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim). A key not in the directory
+    -- goes to the partition of now instead, so that the fenced UPDATE below probes a partition
+    -- for it as for a key that exists: a wrong token costs the same work whatever the key's
+    -- state (no timing oracle; see _lease_error and docs/design.md).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = release_outcome.scope
+      AND d.key_hash = sha256(convert_to(release_outcome.key, 'UTF8'));
+    -- Unconditionally, so that both paths run the same statement.
+    v_created_at := coalesce(v_created_at, clock_timestamp());
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes).
+    IF idempotency._release_row(release_outcome.scope, release_outcome.key,
+                                release_outcome.lease_token, v_created_at) IS NOT NULL THEN
+        RETURN ROW('ok', NULL)::idempotency.lease_outcome;
+    END IF;
+    RETURN ROW(idempotency._lease_outcome(release_outcome.scope, release_outcome.key,
+                                          release_outcome.lease_token),
+               NULL)::idempotency.lease_outcome;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.release_outcome(text, text, bigint) IS
+'release() answering with an outcome instead of an error: ok, lease_lost (where release raises
+IK001) or completed (IK004). Raises only for bad arguments. On Citus an error costs the session
+a new worker connection; an outcome does not.';
 
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.

@@ -41,6 +41,7 @@ from .errors import (
     KeyMismatch,
     KeyNotFound,
     LeaseLost,
+    LeaseLostCompleted,
     UsageError,
     argument_too_large,
     connection_lost,
@@ -326,6 +327,9 @@ _DELEGATED_BY: Final = {
     Q.COMPLETE: ("idempotency.complete", "scope"),
     Q.COMPLETE_BYTES: ("idempotency.complete_bytes", "scope"),
     Q.ACCEPT: ("idempotency.accept", "scope"), Q.RELEASE: ("idempotency.release", "scope"),
+    Q.HEARTBEAT_OUTCOME: ("idempotency.heartbeat_outcome", "scope"),
+    Q.CHECKPOINT_OUTCOME: ("idempotency.checkpoint_outcome", "scope"),
+    Q.RELEASE_OUTCOME: ("idempotency.release_outcome", "scope"),
     Q.INBOX_ACCEPT: ("idempotency.inbox_accept", "consumer"),
 }
 
@@ -616,14 +620,47 @@ def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
                             "reference_time": reference_time}), "takeover", scope, key))
 
 
+#: The calls that answer a lost lease as an outcome (idempotency.*_outcome), with the name of
+#: the raising form whose error the package raises from it.
+_ANSWERS_OUTCOME: Final = {
+    Q.HEARTBEAT_OUTCOME: "idempotency.heartbeat", Q.CHECKPOINT_OUTCOME: "idempotency.checkpoint",
+    Q.RELEASE_OUTCOME: "idempotency.release",
+}
+
+
+def _lease_lost(fn: str, scope: str, key: str, lease_token: int, outcome: str) -> LeaseLost:
+    """The exception, message, DETAIL and HINT the raising form's IK001 (outcome lease_lost) or
+    IK004 (outcome completed) would have brought (sql/functions/_lease_error.sql)."""
+    where = f"key {json.dumps(key, ensure_ascii=False)} in scope " \
+            f"{json.dumps(scope, ensure_ascii=False)}"
+    if outcome == "completed":
+        return LeaseLostCompleted(f"{fn}: {where} is already completed",
+                                  detail="It was completed with this lease token.",
+                                  hint="Roll back; a retry will replay the stored response.")
+    if outcome != "lease_lost":
+        raise UsageError(f"{fn}: unknown outcome {outcome!r} (is the engine newer than "
+                         "the package?)")
+    return LeaseLost(
+        f"{fn}: lease token {lease_token} is not the current one for {where}",
+        detail="The lease was lost (taken over after it expired, or released), or the key or "
+               "the token is not one this caller was given.",
+        hint="Roll back: whoever holds the current token owns the key.")
+
+
 def _fenced(q: _Query, scope: str, key: str, call: str,
             done: Mapping[str, Any] | None = None) -> _Gen[Any]:
     """Run a call that takes a lease token; log a lost lease (any :class:`LeaseLost`) and, when
     ``done`` is given, the call's success as an INFO line with those fields; observe it
-    (telemetry: ok, lease_lost or error)."""
+    (telemetry: ok, lease_lost or error). A call of :data:`_ANSWERS_OUTCOME` answers a lost
+    lease as its outcome, not as an error: raised here as the same :class:`LeaseLost` (or
+    :class:`LeaseLostCompleted`) the raising form's IK001 (IK004) becomes, with no error on the
+    server (on Citus an error costs the session a new worker connection)."""
     obs = telemetry.start(call, scope, key)
     try:
         row = yield q
+        fn = _ANSWERS_OUTCOME.get(q.sql)
+        if fn is not None and row["outcome"] != "ok":
+            raise _lease_lost(fn, scope, key, q.params["lease_token"], row["outcome"])
     except LeaseLost as exc:
         telemetry.end(obs, telemetry.LEASE_LOST, error=exc)
         if logger.isEnabledFor(logging.WARNING):
@@ -638,23 +675,37 @@ def _fenced(q: _Query, scope: str, key: str, call: str,
     return row
 
 
-def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
-               extend: timedelta | float | None = None,
-               reference_time: datetime | None = None) -> _Gen[datetime]:
-    """``idempotency.checkpoint`` in the caller's transaction; returns the lease expiry."""
-    row = yield from _fenced(_Query(Q.CHECKPOINT, {
+def _checkpoint_query(scope: str, key: str, lease_token: int, recovery_point: str,
+                      extend: timedelta | float | None, reference_time: datetime | None,
+                      sql: str) -> _Query:
+    return _Query(sql, {
         "scope": scope, "key": key, "lease_token": lease_token,
         "recovery_point": recovery_point, "extend": _interval(extend),
         "reference_time": reference_time,
-    }, fenced=True), scope, key, "checkpoint")
+    }, fenced=True)
+
+
+def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
+               extend: timedelta | float | None = None,
+               reference_time: datetime | None = None) -> _Gen[datetime]:
+    """``idempotency.checkpoint`` in the caller's transaction; returns the lease expiry.
+    The raising form: its IK001 aborts the caller's transaction, so the step's writes cannot
+    commit without the recovery point (``op.checkpoint()``, which rolls back itself, uses
+    ``checkpoint_outcome``)."""
+    row = yield from _fenced(_checkpoint_query(scope, key, lease_token, recovery_point, extend,
+                                               reference_time, Q.CHECKPOINT),
+                             scope, key, "checkpoint")
     return load_time(row["lease_expires_at"])
 
 
 def heartbeat(scope: str, key: str, lease_token: int, *,
               lease: timedelta | float = DEFAULT_LEASE,
               reference_time: datetime | None = None) -> _Gen[datetime]:
-    """``idempotency.heartbeat``; returns the new lease expiry."""
-    row = yield from _fenced(_Query(Q.HEARTBEAT, {
+    """``idempotency.heartbeat_outcome``: extends the lease; returns the new lease expiry, or
+    raises :class:`LeaseLost` (:class:`LeaseLostCompleted`) as ``idempotency.heartbeat``'s
+    IK001 (IK004) would, without an error on the server: the transaction it ran in is left
+    usable (heartbeat wrote nothing else), so roll back what it was part of yourself."""
+    row = yield from _fenced(_Query(Q.HEARTBEAT_OUTCOME, {
         "scope": scope, "key": key, "lease_token": lease_token, "lease": _interval(lease),
         "reference_time": reference_time,
     }, fenced=True), scope, key, "heartbeat")
@@ -724,16 +775,18 @@ def _accept_row(scope: str, key: str, lease_token: int, status: int, body: Any =
 
 
 def release(scope: str, key: str, lease_token: int) -> _Gen[None]:
-    """``idempotency.release``: for a failure before any side effect. The key's row stays, in
-    state released (no lease, no response), and the next claim starts it afresh under a
-    greater lease token (engine 0.9.0)."""
+    """``idempotency.release_outcome``: for a failure before any side effect. The key's row
+    stays, in state released (no lease, no response), and the next claim starts it afresh
+    under a greater lease token (engine 0.9.0). A lost lease raises :class:`LeaseLost` as
+    ``idempotency.release``'s IK001 would, without an error on the server (the transaction is
+    left usable)."""
     yield from _release(scope, key, lease_token, alone=False, reason="release")
 
 
 def _release(scope: str, key: str, lease_token: int, *, alone: bool, reason: str
              ) -> _Gen[None]:
-    yield from _fenced(_Query(Q.RELEASE, {"scope": scope, "key": key,
-                                          "lease_token": lease_token},
+    yield from _fenced(_Query(Q.RELEASE_OUTCOME, {"scope": scope, "key": key,
+                                                  "lease_token": lease_token},
                               fenced=True, alone=alone), scope, key, "release")
     if logger.isEnabledFor(logging.INFO):
         _log(logging.INFO, "release", scope, key, reason=reason)
@@ -894,8 +947,17 @@ class OperationCore:
     def g_checkpoint(self, recovery_point: str, extend: timedelta | float | None = None
                      ) -> _Gen[datetime]:
         token = self._owner_token("checkpoint()")
-        expires = yield from checkpoint(self.scope, self.key, token, recovery_point,
-                                        extend=extend, reference_time=self._reference_time)
+        try:
+            # The outcome form (no error on the server, no new worker connection on Citus):
+            # on a lost lease the step's writes are rolled back here, as the raising form's
+            # aborted transaction would have them, before LeaseLost reaches the block.
+            row = yield from _fenced(_checkpoint_query(
+                self.scope, self.key, token, recovery_point, extend, self._reference_time,
+                Q.CHECKPOINT_OUTCOME), self.scope, self.key, "checkpoint")
+        except LeaseLost:
+            yield _Tx.ROLLBACK
+            raise
+        expires = load_time(row["lease_expires_at"])
         yield _Tx.COMMIT
         self._side_effects = True
         self.recovery_point = recovery_point

@@ -102,6 +102,30 @@ SELECT idempotency.release(
     scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint)
 """
 
+# The same three calls answering a lost lease as a value (outcome lease_lost or completed)
+# instead of IK001 / IK004: on Citus an error costs the session a new worker connection
+# (docs/scale-out.md). core.py raises the same LeaseLost from the outcome.
+HEARTBEAT_OUTCOME: Final = """
+SELECT outcome, extract(epoch FROM lease_expires_at)::text AS lease_expires_at
+FROM idempotency.heartbeat_outcome(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    lease => %(lease)s::interval,
+    reference_time => %(reference_time)s::timestamptz)
+"""
+
+CHECKPOINT_OUTCOME: Final = """
+SELECT outcome, extract(epoch FROM lease_expires_at)::text AS lease_expires_at
+FROM idempotency.checkpoint_outcome(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint,
+    recovery_point => %(recovery_point)s::text, extend => %(extend)s::interval,
+    reference_time => %(reference_time)s::timestamptz)
+"""
+
+RELEASE_OUTCOME: Final = """
+SELECT outcome FROM idempotency.release_outcome(
+    scope => %(scope)s::text, key => %(key)s::text, lease_token => %(lease_token)s::bigint)
+"""
+
 LIST_ABANDONED: Final = f"""
 SELECT scope, key, {_seconds("lease_expires_at")}, recovery_point, attempts,
        {_seconds("created_at")}

@@ -1,6 +1,8 @@
 -- Called when a fenced write (checkpoint, heartbeat, accept, complete, release) matched no row:
 -- raises the documented error. Raising, not returning false, is the point: the caller's
--- business writes in the same transaction must roll back with it.
+-- business writes in the same transaction must roll back with it. (heartbeat_outcome,
+-- checkpoint_outcome and release_outcome answer the same as an outcome instead, for callers
+-- that roll back themselves: on Citus an error costs a new worker connection.)
 --
 -- No oracle: unless the caller's token is the key's own, the answer is IK001 with the same text
 -- whether the key is in progress under another token, completed, released or absent. So a
@@ -9,7 +11,7 @@
 -- Only the owner, whose token matches, is told that its key is already completed (IK004).
 --
 -- No timing oracle either: the callers (heartbeat, checkpoint, release, accept, complete,
--- complete_bytes) and this function send a key missing from key_directory to the partition of
+-- complete_bytes) and _lease_outcome send a key missing from key_directory to the partition of
 -- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
 -- absent, in progress, completed or released. What remains is measured in
 -- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
@@ -20,25 +22,11 @@ RETURNS void
 LANGUAGE plpgsql
 STABLE
 SET search_path = pg_catalog, pg_temp
--- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
-SET plan_cache_mode = force_generic_plan
 AS $$
-DECLARE
-    v_created_at timestamptz;
 BEGIN
-    SELECT d.created_at INTO v_created_at
-    FROM idempotency.key_directory AS d
-    WHERE d.scope = _lease_error.scope
-      AND d.key_hash = sha256(convert_to(_lease_error.key, 'UTF8'));
-    -- A key not in the directory is looked for in the partition of now, so that the lookup
-    -- below probes a partition whatever the key's state (see the header).
-    v_created_at := coalesce(v_created_at, clock_timestamp());
-    PERFORM
-    FROM idempotency.keys AS k
-    WHERE k.scope = _lease_error.scope AND k.key = _lease_error.key
-      AND k.created_at = v_created_at AND k.lease_token = _lease_error.lease_token
-      AND k.state = 'completed';
-    IF FOUND THEN
+    -- The lookup is _lease_outcome's, shared with the functions that answer an outcome.
+    IF idempotency._lease_outcome(_lease_error.scope, _lease_error.key,
+                                  _lease_error.lease_token) = 'completed' THEN
         RAISE EXCEPTION USING
             MESSAGE = format('%s: key %s in scope %s is already completed', _lease_error.fn,
                              to_json(_lease_error.key), to_json(_lease_error.scope)),

@@ -19,7 +19,9 @@
 --                                        table would only add a write to every node per run
 --   claim, complete, complete_bytes,     delegated to the node holding the scope's shard, inside
 --   heartbeat, checkpoint, accept,       transaction blocks too (force_delegation): the whole
---   release, takeover; inbox_accept      body runs there, next to the rows, in one hop
+--   release, takeover, heartbeat_,       body runs there, next to the rows, in one hop
+--   checkpoint_ and release_outcome;
+--   inbox_accept
 --   every other function                 created on every node (the delegated bodies call them)
 --
 -- What keeps the guarantees wherever a call runs (delegated, inside a subquery or a transaction
@@ -39,7 +41,8 @@ DECLARE
     v_fn record;
     v_delegated constant text[] := ARRAY[
         'claim', 'complete', 'complete_bytes', 'heartbeat', 'checkpoint', 'accept', 'release',
-        'takeover', 'inbox_accept'];
+        'takeover', 'inbox_accept', 'heartbeat_outcome', 'checkpoint_outcome',
+        'release_outcome'];
     v_coordinator boolean;
     v_done boolean;
 BEGIN

@@ -41,6 +41,10 @@ DECLARE
         || 'idempotency.accept(text, text, bigint, integer, jsonb, jsonb, interval, '
         || 'timestamptz), '
         || 'idempotency.release(text, text, bigint), '
+        || 'idempotency.heartbeat_outcome(text, text, bigint, interval, timestamptz), '
+        || 'idempotency.checkpoint_outcome(text, text, bigint, text, interval, '
+        || 'timestamptz), '
+        || 'idempotency.release_outcome(text, text, bigint), '
         || 'idempotency.fingerprint(jsonb, jsonb, text[]), '
         || 'idempotency.canonical_json(jsonb), '
         || 'idempotency.derive_key(text, text, text)';
@@ -121,7 +125,7 @@ COMMENT ON FUNCTION idempotency.grant_usage(regrole, text, text[]) IS
 'Let grantee call the functions of one kind of application role, without any privilege on the
 tables. kind request (handlers): claim, inbox_accept; completer (background completers):
 takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
-both: checkpoint, heartbeat, complete, complete_bytes, accept, release, fingerprint,
-canonical_json, derive_key; monitor (scrapers): metrics, metrics_by_scope. Recorded in
-idempotency.grants and re-applied by later migrations. IK022 on a Citus worker. See
-docs/sql-api.md.';
+both: checkpoint, heartbeat, complete, complete_bytes, accept, release, heartbeat_outcome,
+checkpoint_outcome, release_outcome, fingerprint, canonical_json, derive_key; monitor
+(scrapers): metrics, metrics_by_scope. Recorded in idempotency.grants and re-applied by later
+migrations. IK022 on a Citus worker. See docs/sql-api.md.';

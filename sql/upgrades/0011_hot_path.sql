@@ -95,10 +95,20 @@ DROP FUNCTION idempotency.grant_usage(regrole, text);
 -- @replace functions/list_keys.sql
 -- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
 -- in the partition of now, so every key state costs the same statements.
+-- @include functions/_lease_outcome.sql
 -- @replace functions/_lease_error.sql
 -- @replace functions/heartbeat.sql
 -- @replace functions/checkpoint.sql
 -- @replace functions/release.sql
+-- Outcomes instead of errors (issue 33): on Citus every error raised on a worker costs the
+-- session a new worker connection. heartbeat_outcome, checkpoint_outcome and release_outcome
+-- answer lease_lost / completed as a value (type lease_outcome) where heartbeat, checkpoint and
+-- release raise IK001 / IK004, which they still do. New objects: a distributed install runs
+-- idempotency.distribute() again after this migration to delegate them (docs/scale-out.md).
+-- @include types/lease_outcome.sql
+-- @include functions/heartbeat_outcome.sql
+-- @include functions/checkpoint_outcome.sql
+-- @include functions/release_outcome.sql
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
