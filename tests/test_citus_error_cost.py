@@ -2,7 +2,9 @@
 "What an error costs"): Citus drops the session's connection to that worker after the error,
 so the next call opens a new one (a new backend on the worker). Counted, not timed: the
 test asserts the new worker backends per call for each answer of the hot path of a retry
-storm, and prints the median call time of each for the page (``pytest -s``).
+storm, and prints the median call time of each for the page (``pytest -s``). The lost lease
+is measured in both forms: the raising heartbeat / checkpoint / release (IK001) and the
+*_outcome functions answering lease_lost (tests/test_citus_outcomes.py has the rest).
 """
 
 from __future__ import annotations
@@ -50,16 +52,16 @@ def _sessions(watchers: list[psycopg.Connection[Any]], baseline: set[tuple[int, 
     return total
 
 
-def _measure(cluster: Any, call: Callable[[psycopg.Connection[Any]], str | None]
-             ) -> tuple[float, float, list[str | None]]:
+def _measure(cluster: Any, call: Callable[[psycopg.Connection[Any]], str | None],
+             dsn: str | None = None) -> tuple[float, float, list[str | None]]:
     """New worker sessions per call and the median call time in ms, over CALLS calls in one
-    coordinator session (its first call opens the worker connection in any case: not
-    counted); and the answers (None or a SQLSTATE)."""
+    coordinator session (``dsn``, by default the owner's; its first call opens the worker
+    connection in any case: not counted); and the answers (what ``call`` returns)."""
     watchers = [psycopg.connect(w.dsn(cluster.db), autocommit=True) for w in cluster.workers]
     baseline = _others(watchers)
     before = _sessions(watchers, baseline)
     answers, times = [], []
-    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+    with psycopg.connect(dsn or cluster.dsn, autocommit=True) as conn:
         call(conn)
         for _ in range(CALLS):
             start = time.perf_counter()
@@ -79,6 +81,14 @@ def _sqlstate(conn: psycopg.Connection[Any], query: str, params: Any) -> str | N
     return None
 
 
+def _outcome(conn: psycopg.Connection[Any], query: str, params: Any) -> str | None:
+    """The first column of the answer (an outcome), or the SQLSTATE of an error."""
+    try:
+        return str(conn.execute(query, params).fetchone()[0])
+    except psycopg.Error as exc:
+        return exc.sqlstate
+
+
 def test_an_error_on_a_worker_costs_a_new_worker_connection(cost_cluster: Any) -> None:
     scope = _scope()
     with psycopg.connect(cost_cluster.dsn, autocommit=True) as conn:
@@ -93,6 +103,20 @@ def test_an_error_on_a_worker_costs_a_new_worker_connection(cost_cluster: Any) -
             c, "SELECT idempotency.heartbeat(%s, 'held', %s)", (scope, token)), None),
         "heartbeat, wrong token (IK001)": (lambda c: _sqlstate(
             c, "SELECT idempotency.heartbeat(%s, 'held', %s)", (scope, token + 1)), "IK001"),
+        "heartbeat_outcome, wrong token (lease_lost)": (lambda c: _outcome(
+            c, "SELECT outcome FROM idempotency.heartbeat_outcome(%s, 'held', %s)",
+            (scope, token + 1)), "lease_lost"),
+        "checkpoint, wrong token (IK001)": (lambda c: _sqlstate(
+            c, "SELECT idempotency.checkpoint(%s, 'held', %s, 'r')", (scope, token + 1)),
+            "IK001"),
+        "checkpoint_outcome, wrong token (lease_lost)": (lambda c: _outcome(
+            c, "SELECT outcome FROM idempotency.checkpoint_outcome(%s, 'held', %s, 'r')",
+            (scope, token + 1)), "lease_lost"),
+        "release, wrong token (IK001)": (lambda c: _sqlstate(
+            c, "SELECT idempotency.release(%s, 'held', %s)", (scope, token + 1)), "IK001"),
+        "release_outcome, wrong token (lease_lost)": (lambda c: _outcome(
+            c, "SELECT outcome FROM idempotency.release_outcome(%s, 'held', %s)",
+            (scope, token + 1)), "lease_lost"),
         "complete, wrong token (IK001)": (lambda c: _sqlstate(
             c, "SELECT idempotency.complete(%s, 'held', %s, 200, '{}')", (scope, token + 1)),
             "IK001"),
@@ -115,9 +139,9 @@ def test_an_error_on_a_worker_costs_a_new_worker_connection(cost_cluster: Any) -
     for name, (call, expected) in cases.items():
         per_call, median_ms, answers = _measure(cost_cluster, call)
         assert set(answers) == {expected}, (name, answers)
-        report.append(f"{name:45} {per_call:4.2f} new worker sessions/call,"
+        report.append(f"{name:46} {per_call:4.2f} new worker sessions/call,"
                       f" median {median_ms:6.2f} ms")
-        if expected is None:
+        if expected is None or expected.islower():  # no error: rows, or an outcome
             assert per_call == 0, name
         else:
             # Every error on the worker: Citus closes the session's connection to it, and the
