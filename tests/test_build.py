@@ -19,6 +19,8 @@ from types import ModuleType
 
 import pytest
 
+from pgharness import WAIT_BOUND
+
 ROOT = Path(__file__).resolve().parent.parent
 BUILD_PY = ROOT / "tools" / "build.py"
 # Released as 0.1.0 ... 0.9.0; a later release adds its own (tools/build.py --freeze N).
@@ -40,7 +42,7 @@ build = _load_build()
 
 def _build_py(root: Path, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, str(root / "tools" / "build.py"), *args],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=WAIT_BOUND)
 
 
 @pytest.fixture
@@ -66,7 +68,8 @@ def test_released_migrations_are_frozen_as_released() -> None:
         assert hashlib.sha256((ROOT / "migrations" / name).read_bytes()).hexdigest() == digest
     # The file is sha256sum's own format, so a user can check a copy with sha256sum -c.
     done = subprocess.run(["sha256sum", "--check", "--strict", "SHA256SUMS"],
-                          cwd=ROOT / "migrations", capture_output=True, text=True, timeout=600)
+                          cwd=ROOT / "migrations", capture_output=True, text=True,
+                          timeout=WAIT_BOUND)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count(": OK") == len(sums)
 

@@ -18,7 +18,7 @@ import pg_idempotency as idem
 from conftest import login_roles
 from pg_idempotency import cli
 from pg_idempotency.migrate import RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH
-from pgharness import PgServer, flavour_bindir
+from pgharness import WAIT_BOUND, PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "pg-idempotency"
@@ -29,7 +29,7 @@ def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedPr
     base = {k: v for k, v in os.environ.items()
             if k != "DATABASE_URL" and not k.startswith("PG")}
     base["LC_ALL"] = "C"
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=600,
+    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=WAIT_BOUND,
                           env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
 
 

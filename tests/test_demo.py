@@ -18,13 +18,14 @@ from pathlib import Path
 import pytest
 
 from pg_idempotency import demo
+from pgharness import WAIT_BOUND
 
 ROOT = Path(__file__).resolve().parent.parent
 CLI = Path(sys.executable).parent / "pg-idempotency"
 SMALL = ("--clients", "3", "--payments", "5", "--seed", "1", "--json")
 # Seconds a small storm may take before the test gives up: ~10 s on an idle machine; the bound
 # only stops a hung run and must hold on a loaded one (make test on 2 cores).
-BOUND = 600
+BOUND = WAIT_BOUND
 
 
 def _env() -> dict[str, str]:

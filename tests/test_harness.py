@@ -24,6 +24,7 @@ from pathlib import Path
 import pytest
 
 import pgharness
+from pgharness import WAIT_BOUND
 
 TESTS = Path(__file__).resolve().parent
 
@@ -66,8 +67,8 @@ def _alive(pid: int) -> bool:
 
 
 # Far beyond need (see the module docstring): an idle machine needs seconds for each.
-START_BOUND = 900  # the child starts two servers (initdb from a cached template) and pgbouncer
-STOP_BOUND = 600   # the interrupted child stops them, or its watchdog does
+START_BOUND = 1.5 * WAIT_BOUND  # the child starts two servers (initdb, cached) and pgbouncer
+STOP_BOUND = WAIT_BOUND  # the interrupted child stops them, or its watchdog does
 
 
 @pytest.mark.timeout(START_BOUND + 2 * STOP_BOUND + 60)
@@ -86,7 +87,7 @@ def test_no_server_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Si
         while not pids_file.exists() and child.poll() is None:
             if time.monotonic() - started > START_BOUND:
                 child.kill()
-                pytest.fail(f"the child pytest did not start its servers in {START_BOUND} s:\n"
+                pytest.fail(f"the child pytest did not start its servers in {START_BOUND:.0f} s:\n"
                             + child.communicate()[0].decode(errors="replace"))
             time.sleep(0.2)
         if not pids_file.exists():  # the child exited first
@@ -98,7 +99,7 @@ def test_no_server_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Si
         try:
             child.wait(STOP_BOUND)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the child pytest was still running {STOP_BOUND} s after {sig.name}")
+            pytest.fail(f"the child pytest was still running {STOP_BOUND:.0f} s after {sig.name}")
         stopped = time.monotonic()
         while any(_alive(p) for p in pids) and time.monotonic() - stopped < STOP_BOUND:
             time.sleep(0.1)

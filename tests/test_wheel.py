@@ -15,6 +15,8 @@ import psycopg
 import pytest
 import tomllib
 
+from pgharness import WAIT_BOUND
+
 ROOT = Path(__file__).resolve().parent.parent
 VENV = ROOT / "build" / "wheel-venv"
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -32,7 +34,7 @@ def _run(cwd: Path, *args: str, env: dict[str, str] | None = None
          ) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items()
             if k not in ("DATABASE_URL", "PYTHONPATH", "VIRTUAL_ENV") and not k.startswith("PG")}
-    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=600,
+    return subprocess.run(list(args), cwd=cwd, capture_output=True, text=True, timeout=WAIT_BOUND,
                           env={**base, "LC_ALL": "C", **(env or {})}, stdin=subprocess.DEVNULL)
 
 
