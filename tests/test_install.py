@@ -778,3 +778,26 @@ def test_distribute_without_citus_says_so(db: str) -> None:
         assert conn.execute("SELECT count(*) FROM idempotency.keys").fetchone() == (0,)
         assert conn.execute("SELECT outcome FROM idempotency.claim('s', 'k', '{}')"
                             ).fetchone() == ("claimed",)
+
+
+def test_no_immutable_function_reads_a_table(db: str) -> None:
+    """An IMMUTABLE function's answer, value or error, depends on its arguments alone: the
+    planner may fold it once and keep the answer (a cached plan, an index expression). So none
+    reads idempotency.settings or calls _check_size, which does (fingerprint() and
+    canonical_json() are STABLE since 0.11.0); and an index on fingerprint() is refused."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        readers = conn.execute(
+            "SELECT p.proname FROM pg_proc AS p "
+            "WHERE p.pronamespace = 'idempotency'::regnamespace AND p.provolatile = 'i' "
+            "  AND (p.prosrc ~ '_check_size' OR p.prosrc ~ 'idempotency\\.settings')"
+            " ORDER BY 1").fetchall()
+        assert readers == []
+        volatility = dict(conn.execute(
+            "SELECT proname, provolatile FROM pg_proc WHERE pronamespace = "
+            "'idempotency'::regnamespace AND proname IN ('fingerprint', 'canonical_json', "
+            "'_check_size', '_canonical_json')").fetchall())
+        assert volatility == {"fingerprint": "s", "canonical_json": "s", "_check_size": "s",
+                              "_canonical_json": "i"}
+        conn.execute("CREATE TABLE public.bodies (body jsonb)")
+        expect_sqlstate(conn, "CREATE INDEX ON public.bodies (idempotency.fingerprint(body))",
+                        "42P17")

@@ -3,12 +3,17 @@
 -- the same fingerprint); then, when fields is given, only those top-level fields count, so
 -- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
 -- retry into a mismatch.
+--
+-- STABLE, not IMMUTABLE (as it was before 0.11.0), for the reason given in canonical_json.sql:
+-- its size check reads settings.max_request_bytes. A request passed to claim(..., NULL,
+-- fingerprint => fingerprint(request, defaults, fields)) is thus refused at the same size as
+-- one passed as claim's request.
 CREATE FUNCTION idempotency.fingerprint(
     request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
 )
 RETURNS bytea
 LANGUAGE plpgsql
-IMMUTABLE
+STABLE
 -- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
 SECURITY DEFINER
 PARALLEL SAFE
