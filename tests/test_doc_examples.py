@@ -330,6 +330,15 @@ def test_sqlalchemy_page(payments: PgServer, tmp_path: Path) -> None:
     assert pay != pay_line
     with serving(run, ROOT, shell_env(server, PORT=str(port)), port, tmp_path / "app.log"):
         first, second = curl(pay, tmp_path, env), curl(pay, tmp_path, env)
+        # A client's mistakes are 422 (the example's model), never 500; under new keys.
+        body = "'{\"amount\": 50, \"currency\": \"EUR\"}'"
+        assert body in pay
+        mistakes = {bad: curl(pay.replace("order-7f3a", f"bad-{n}").replace(body, f"'{bad}'"),
+                              tmp_path, env)[0]
+                    for n, bad in enumerate(['[1]', '{"amount": true}', '{"amount": 5.5}',
+                                             '{"amount": 99999999999}', '{"amount": -5}',
+                                             '{"amount": 5, "currency": "E\\u0000R"}'])}
+    assert mistakes == dict.fromkeys(mistakes, 422), mistakes
     assert_replayed(first, second)
     assert query(server, "SELECT account, amount FROM sa_ledger") == [("acct_42", 50)]
 
@@ -342,9 +351,13 @@ def test_sqlalchemy_page(payments: PgServer, tmp_path: Path) -> None:
     assert [status for status, _ in out] == [201] * 4
     assert len({body["id"] for _, body in out}) == 3
     assert query(server, "SELECT count(*) FROM sa_ledger") == [(4,)]
-    assert query(server, "SELECT key, state FROM idempotency.keys ORDER BY key") == [
+    assert query(server, "SELECT key, state FROM idempotency.keys "
+                         "WHERE key NOT LIKE 'bad-%' ORDER BY key") == [
         ("order-1", "completed"), ("order-2", "completed"), ("order-3", "completed"),
         ("order-7f3a", "completed")]
+    # FastAPI refused those before the handler: not the key's result, so released.
+    assert query(server, "SELECT DISTINCT state FROM idempotency.keys "
+                         "WHERE key LIKE 'bad-%'") == [("released",)]
     assert_least_privilege(server)
 
 

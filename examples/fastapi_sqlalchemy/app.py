@@ -58,7 +58,8 @@ class LedgerEntry(Base):
 
 
 class Payment(BaseModel):
-    amount: int = Field(gt=0)
+    # strict: true is not 1; lt: the column is an integer (a larger amount was a 500).
+    amount: int = Field(gt=0, lt=2**31, strict=True)
     currency: str = Field(default="EUR", pattern="^[A-Z]{3}$")
 
 
