@@ -94,7 +94,8 @@ COMPLETE_ABLATIONS = [
     ("same", []),
     ("no_secdef", [(r"\n\s*SECURITY DEFINER[^\n]*", "")]),
     ("no_checks", [(r"IF \(complete_bytes\.body IS NOT NULL.*?END IF;", ""),
-                   (r"IF NOT coalesce\(idempotency\._name_ok\(complete_bytes.*?END IF;", "")]),
+                   (r"IF NOT coalesce\(idempotency\._name_ok\(complete_bytes.*?"
+                    r"_check_response\(.*?\);\s*END IF;", "")]),
 ]
 
 

@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import logging
+import struct
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
@@ -48,7 +49,7 @@ from .errors import (
     from_psycopg,
     invalid_argument,
 )
-from .fingerprint import canonical_json, derive_key, key_hash, request_fingerprint
+from .fingerprint import MAX_DEPTH, canonical_json, derive_key, key_hash, request_fingerprint
 
 P = ParamSpec("P")
 T = TypeVar("T")
@@ -169,6 +170,86 @@ class ClaimResult:
                    load_time(row["created_at"]), response)
 
 
+_INT8 = struct.Struct(">q").unpack
+_INT4 = struct.Struct(">i").unpack
+_INTERVAL = struct.Struct(">qii").unpack
+#: PostgreSQL's epoch of binary timestamps, and the seconds from 1970's to it.
+_EPOCH_2000 = datetime(2000, 1, 1, tzinfo=timezone.utc)
+_UNIX_2000 = 946684800
+#: claim_result's columns, in the type's order (a composite type only grows at its end).
+_CLAIM_FIELDS = ("outcome", "lease_token", "lease_expires_at", "recovery_point", "attempts",
+                 "response_status", "response_headers", "response_body",
+                 "response_body_bytes", "response_content_type", "retry_after", "created_at",
+                 "completed_at")
+
+
+def _binary_time(data: bytes | None) -> datetime | None:
+    """A binary timestamptz (microseconds since 2000-01-01 UTC) as an aware datetime in UTC:
+    the same instant, whatever the session's DateStyle and TimeZone."""
+    if data is None:
+        return None
+    (us,) = _INT8(data)
+    try:
+        return _EPOCH_2000 + timedelta(microseconds=us)
+    except OverflowError:
+        # (+-infinity are the int8's ends)
+        seconds = {2**63 - 1: "Infinity", -2**63: "-Infinity"}.get(
+            us, f"{Decimal(us).scaleb(-6) + _UNIX_2000}")
+        raise psycopg.DataError("timestamp out of the range of datetime (years 1 to 9999): "
+                                f"{seconds} s since 1970") from None
+
+
+def _binary_interval(data: bytes | None) -> timedelta | None:
+    """A binary interval as a timedelta of the length extract(epoch FROM it) gives (a month
+    is 30 days, a year 365.25), whatever the session's IntervalStyle."""
+    if data is None:
+        return None
+    us, days, months = _INTERVAL(data)
+    years = int(months / 12)  # C's division, toward zero, as PostgreSQL's
+    us += (days * 86400 + (months - years * 12) * 30 * 86400) * 1_000_000 \
+        + years * 31_557_600_000_000
+    try:
+        return timedelta(microseconds=us)
+    except OverflowError:
+        raise psycopg.DataError(f"interval out of the range of timedelta: "
+                                f"{Decimal(us).scaleb(-6)} s") from None
+
+
+def claim_result_of(res: Any, encoding: str) -> ClaimResult:
+    """The :class:`ClaimResult` of ``SELECT * FROM idempotency.claim(...)`` (or takeover) run
+    with binary results (queries.CLAIM_BINARY), read from the raw result ``res`` (a psycopg
+    ``PGresult``) in the connection's client ``encoding``: no loader is involved, so none that
+    an application registered, and no session setting, changes it."""
+    if res.nfields == len(_CLAIM_FIELDS):
+        get = res.get_value
+        values = [get(0, i) for i in range(res.nfields)]
+    else:  # a later engine's wider type: by name
+        names = {res.fname(i).decode(): i for i in range(res.nfields)}
+        values = [res.get_value(0, names[name]) for name in _CLAIM_FIELDS]
+    (outcome, token, expires, recovery_point, attempts, status, headers, body, body_bytes,
+     content_type, retry_after, created_at, completed_at) = values
+    result_outcome = Outcome(bytes(outcome).decode(encoding))
+    response = None
+    if result_outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
+        # jsonb in binary: a version byte (1), then the text
+        stored = None if body is None else json.loads(bytes(body)[1:].decode(encoding))
+        raw = None if body_bytes is None else bytes(body_bytes)
+        ctype = None if content_type is None else bytes(content_type).decode(encoding)
+        if stored is None and raw is not None:
+            stored = _json_of_bytes(ctype, raw)
+        response = StoredResponse(
+            status=_INT4(status)[0],
+            headers=dict(json.loads(bytes(headers)[1:].decode(encoding)) or {})
+            if headers is not None else {},
+            body=stored, body_bytes=raw, content_type=ctype,
+            completed_at=_binary_time(completed_at))
+    return ClaimResult(
+        result_outcome, None if token is None else _INT8(token)[0], _binary_time(expires),
+        None if recovery_point is None else bytes(recovery_point).decode(encoding),
+        None if attempts is None else _INT4(attempts)[0], _binary_interval(retry_after),
+        _binary_time(created_at), response)
+
+
 def json_bytes(value: Any) -> bytes:
     """A JSON value as the bytes stored and replayed for it: compact, its keys in the order
     given (jsonb would sort them), a Decimal by its exact digits, a tuple as an array. Call
@@ -194,6 +275,42 @@ def _json_parts(value: Any) -> Iterator[str]:
         yield str(value)
     else:
         yield json.dumps(value, ensure_ascii=False)
+
+
+class _NotPlain(Exception):
+    """:func:`_json_body`'s fast path cannot vouch for a value."""
+
+
+def _not_plain(value: Any) -> Any:
+    raise _NotPlain
+
+
+#: The C encoder of the standard library, spelled as :func:`json_bytes` spells a value made of
+#: dict, list, str, int, float, bool and None (compact, keys in the order given, floats by
+#: repr); anything else raises (_not_plain), and so do NaN and the infinities.
+_DUMPS = json.JSONEncoder(ensure_ascii=False, allow_nan=False, separators=(",", ":"),
+                          default=_not_plain).encode
+
+
+def _json_body(value: Any) -> tuple[bytes, Any]:
+    """What complete() stores for a JSON answer: ``json_bytes(value)``, refusing what
+    ``canonical_json(value)`` refuses, and the value every replay reads back from those bytes
+    (``json.loads``). One pass of the C encoder and one of the parser when that provably gives
+    the same (issue 32: the answer was walked four times in Python): the text read back equals
+    the value (so every key is a string and nothing is a tuple or a Decimal), holds no
+    ``\\u0000``, encodes as UTF-8 (no unpaired surrogate) and has at most MAX_DEPTH brackets;
+    anything else takes the slow path, which also says what is wrong."""
+    try:
+        text = _DUMPS(value)
+        if "\\u0000" not in text and text.count("{") + text.count("[") <= MAX_DEPTH:
+            back = json.loads(text)
+            if back == value:
+                return text.encode("utf-8"), back
+    except (_NotPlain, TypeError, ValueError, RecursionError):
+        pass  # (UnicodeEncodeError is a ValueError)
+    canonical_json(value)  # refuses what jsonb would refuse (NaN, lone surrogates, ...)
+    data = json_bytes(value)
+    return data, json.loads(data)
 
 
 def _json_of_bytes(content_type: str | None, body: bytes) -> Any:
@@ -347,6 +464,11 @@ class _Query:
     alone: bool = False
     #: Commit right after it, in the same round trip (a psycopg pipeline) when libpq can.
     commit: bool = False
+    #: The same call as ``sql`` with the whole claim_result in binary
+    #: (queries.CLAIM_BINARY): core's own drivers run it and return its
+    #: :func:`claim_result_of`; a driver that reads rows (the SQLAlchemy session's) runs
+    #: ``sql`` and hands over a dict row.
+    binary_sql: str | None = None
 
     def __post_init__(self) -> None:
         delegated = _DELEGATED_BY.get(self.sql)
@@ -412,6 +534,12 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         finally:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 conn.autocommit = False
+    if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        # psycopg's own cursor class, not the connection's cursor_factory (a ClientCursor
+        # cannot ask for binary results)
+        with psycopg.Cursor(conn) as bcur:
+            bcur.execute(q.binary_sql, q.params, prepare=_PREPARE, binary=True)
+            return claim_result_of(bcur.pgresult, conn.pgconn._encoding)
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         # The statement and COMMIT in one simple Query message: one round trip, with the
         # values bound here (psycopg quotes them for the connection's settings) and none of
@@ -445,6 +573,10 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
         finally:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 await conn.set_autocommit(False)
+    if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        async with psycopg.AsyncCursor(conn) as bcur:
+            await bcur.execute(q.binary_sql, q.params, prepare=_PREPARE, binary=True)
+            return claim_result_of(bcur.pgresult, conn.pgconn._encoding)
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         async with psycopg.AsyncClientCursor(conn, row_factory=dict_row) as ccur:
             await ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
@@ -576,7 +708,7 @@ def _claim_query(scope: str, key: str, request: Any, lease: timedelta | float,
         "request": _jsonb(request) if request is not None else None,
         "lease": _interval(lease), "fingerprint": fingerprint, "strict": strict,
         "reference_time": reference_time,
-    }, alone=alone)
+    }, alone=alone, binary_sql=Q.CLAIM_BINARY)
 
 
 def _log_claim(event: str, scope: str, key: str, result: ClaimResult) -> None:
@@ -592,7 +724,7 @@ def _claimed(q: _Query, call: str, scope: str, key: str) -> _Gen[ClaimResult]:
     obs = telemetry.start(call, scope, key)
     try:
         row = yield q
-        result = ClaimResult.from_row(row)
+        result = row if isinstance(row, ClaimResult) else ClaimResult.from_row(row)
     except BaseException as exc:
         telemetry.end(obs, telemetry.ERROR, error=exc)
         raise
@@ -617,7 +749,8 @@ def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,
     """``idempotency.takeover``: take over an abandoned key (for background completers)."""
     return (yield from _claimed(
         _Query(Q.TAKEOVER, {"scope": scope, "key": key, "lease": _interval(lease),
-                            "reference_time": reference_time}), "takeover", scope, key))
+                            "reference_time": reference_time}, binary_sql=Q.TAKEOVER_BINARY),
+        "takeover", scope, key))
 
 
 #: The calls that answer a lost lease as an outcome (idempotency.*_outcome), with the name of
@@ -715,24 +848,34 @@ def heartbeat(scope: str, key: str, lease_token: int, *,
 def _complete_query(scope: str, key: str, lease_token: int, status: int, body: Any,
                     headers: Mapping[str, str] | None, content_type: str | None,
                     reference_time: datetime | None, commit: bool = False) -> _Query:
+    return _complete_parts(scope, key, lease_token, status, body, headers, content_type,
+                           reference_time, commit)[0]
+
+
+def _complete_parts(scope: str, key: str, lease_token: int, status: int, body: Any,
+                    headers: Mapping[str, str] | None, content_type: str | None,
+                    reference_time: datetime | None, commit: bool = False
+                    ) -> tuple[_Query, Any]:
+    """complete()'s query, and the body's value as every replay will read it (None for bytes
+    and for no body)."""
     params: dict[str, Any] = {
         "scope": scope, "key": key, "lease_token": lease_token, "status": status,
         "headers": _jsonb(dict(headers or {})), "reference_time": reference_time,
     }
     if isinstance(body, (bytes, bytearray, memoryview)):
         params.update(body=bytes(body), content_type=content_type or "application/octet-stream")
-        return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit)
+        return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit), None
     if content_type is not None:
         raise UsageError("content_type is for bytes bodies: a JSON body is stored as "
                          "application/json")
     if body is None:
         params["body"] = None
-        return _Query(Q.COMPLETE, params, fenced=True, commit=commit)
+        return _Query(Q.COMPLETE, params, fenced=True, commit=commit), None
     # A JSON value is stored as the bytes it serialises to (complete_bytes, application/json):
     # jsonb would reorder its keys, so {"zeta":1,"a":2} would replay as {"a":2,"zeta":1}.
-    canonical_json(body)  # refuses what jsonb would refuse (NaN, lone surrogates, ...)
-    params.update(body=json_bytes(body), content_type="application/json")
-    return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit)
+    data, value = _json_body(body)
+    params.update(body=data, content_type="application/json")
+    return _Query(Q.COMPLETE_BYTES, params, fenced=True, commit=commit), value
 
 
 def complete(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -967,8 +1110,8 @@ class OperationCore:
     def g_complete(self, status: int, body: Any = None, headers: Mapping[str, str] | None = None,
                    content_type: str | None = None) -> _Gen[StoredResponse]:
         token = self._owner_token("complete()")
-        q = _complete_query(self.scope, self.key, token, status, body, headers, content_type,
-                            self._reference_time, commit=True)
+        q, value = _complete_parts(self.scope, self.key, token, status, body, headers,
+                                   content_type, self._reference_time, commit=True)
         too_large = self._too_large(q, headers)
         if too_large is not None:
             # Never half-stored: nothing is sent; the business transaction rolls back and the
@@ -980,15 +1123,14 @@ class OperationCore:
         row = yield from _fenced(q, self.scope, self.key, "complete", {"status": status})
         completed_at = load_time(row["completed_at"])
         self._done = True
-        is_bytes = isinstance(body, (bytes, bytearray, memoryview))
-        if is_bytes:
-            stored, content_type = bytes(body), content_type or "application/octet-stream"
+        # The body as every replay will see it: the bytes sent, and for a JSON value its
+        # value read back from them (a tuple is a list), made once by _complete_parts.
+        stored = q.params["body"]
+        if isinstance(body, (bytes, bytearray, memoryview)):
+            content_type = q.params["content_type"]
             value = _json_of_bytes(content_type, stored)
         elif body is not None:
-            stored, content_type = json_bytes(body), "application/json"
-            value = json.loads(stored)  # as every replay will see it (a tuple is a list)
-        else:
-            stored, value = None, None
+            content_type = "application/json"
         self.response = StoredResponse(status=status, headers=dict(headers or {}), body=value,
                                        body_bytes=stored, content_type=content_type,
                                        completed_at=completed_at)

@@ -50,6 +50,26 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     reference_time => %(reference_time)s::timestamptz)
 """
 
+# The same calls as the package's own drivers send them (core._execute): the whole
+# claim_result with its results in binary, which core.claim_result_of reads from the raw
+# result, no loader involved. Binary timestamptz and interval are numbers whatever the DateStyle,
+# IntervalStyle and TimeZone, and no loader an application registered (for text, jsonb, the
+# times) sees them; the server neither converts 13 columns to text nor parses and plans the
+# conversions (issue 32: about an eighth of claim's server CPU, unprepared). CLAIM and TAKEOVER
+# above stay for drivers that read rows through loaders (the SQLAlchemy session's).
+CLAIM_BINARY: Final = """
+SELECT * FROM idempotency.claim(
+    scope => %(scope)s::text, key => %(key)s::text, request => %(request)s::jsonb,
+    lease => %(lease)s::interval, fingerprint => %(fingerprint)s::bytea,
+    strict => %(strict)s::boolean, reference_time => %(reference_time)s::timestamptz)
+"""
+
+TAKEOVER_BINARY: Final = """
+SELECT * FROM idempotency.takeover(
+    scope => %(scope)s::text, key => %(key)s::text, lease => %(lease)s::interval,
+    reference_time => %(reference_time)s::timestamptz)
+"""
+
 # The functions that return a timestamptz: as its epoch, like _seconds. The call stands in FROM,
 # not inside extract(): Citus delegates "SELECT ... FROM f(...)" (and "SELECT f(...)") to the
 # node that holds the scope's shard, but not a call nested in an expression.
