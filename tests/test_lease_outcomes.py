@@ -380,3 +380,30 @@ def test_no_timing_oracle_in_the_outcome_forms(server: Any, db: str, fn: str) ->
     assert max(existing) - min(existing) <= max(1.0, 0.05 * call_time), report
     gap = statistics.median(existing) - statistics.median(absent)
     assert abs(gap) <= 0.15 * call_time, f"gap {gap:.1f} us of {call_time:.1f}: {report}"
+
+
+async def test_package_argument_errors_name_the_outcome_function(flavour: Any) -> None:
+    """What the package's heartbeat() and release() send is the outcome form: its argument
+    errors (and the NULL scope the package refuses before sending, as the server would) name
+    idempotency.heartbeat_outcome / release_outcome and the argument."""
+    api, conn = flavour
+    cases = [
+        (lambda: api.heartbeat(conn, None, "k", 1), errors.ArgumentNull,
+         "idempotency.heartbeat_outcome", "scope", None),
+        (lambda: api.heartbeat(conn, "s", "k" * 256, 1), errors.ArgumentTooLong,
+         "idempotency.heartbeat_outcome", "key", "IK012"),
+        (lambda: api.heartbeat(conn, "s", "k", 1, lease=0), errors.ArgumentOutOfRange,
+         "idempotency.heartbeat_outcome", "lease", "IK014"),
+        (lambda: api.release(conn, None, "k", 1), errors.ArgumentNull,
+         "idempotency.release_outcome", "scope", None),
+        (lambda: api.release(conn, "", "k", 1), errors.ArgumentEmpty,
+         "idempotency.release_outcome", "scope", "IK011"),
+    ]
+    for fn, cls, function, argument, sent in cases:
+        with pytest.raises(cls) as info:
+            await call(fn())
+        e = info.value
+        assert (e.function, e.argument) == (function, argument)
+        # None: refused in the package, nothing sent; else the server's error
+        assert (e.pgerror.sqlstate if e.pgerror is not None else None) == sent
+        await call(conn.rollback())
