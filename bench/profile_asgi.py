@@ -34,6 +34,14 @@ rounds, and the variants of one tree with each other.
         # cProfile of one variant (default middleware; the first --tree); --pstats keeps
         # the raw profile for pstats
 
+``--components`` times the middleware's own steps for one request, without a database or a
+server (each tree in a subprocess of its own, best of 5 loops, µs per call): the route and the
+key (header parsing), the scope callback, reading the body, the scope check and the
+fingerprint, building the claim, parsing a claim's row (fresh, and a replay with its stored
+answer), building a replay's answer, the telemetry and log checks of two calls, and the
+complete's preparation and result (the stored headers, the query, the StoredResponse). What a
+request costs beyond their sum is psycopg, asyncio, the pool and the framework.
+
 A baseline tree is any checkout with python/ and bench/http.py, for instance
 ``git archive <commit> python bench tests | tar -x -C /tmp/base``. Every answer must be a
 201 (fresh or replayed): the driver exits non-zero otherwise. This is a profiling tool, not a
@@ -149,7 +157,7 @@ async def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
         if cfg["profile"]:
             import cProfile
 
-            profiler = cProfile.Profile()
+            profiler = cProfile.Profile(time.process_time)  # CPU, not wall time
             profiler.enable()
         cpu, wall, times = time.process_time(), time.perf_counter(), os.times()
         counts = await drive(app, requests=cfg["requests"], concurrency=cfg["concurrency"],
@@ -169,6 +177,135 @@ async def child_main(cfg: dict[str, Any]) -> dict[str, Any]:
             stats.sort_stats("cumulative").print_stats(cfg["top"])
     return {"cpu_us": cpu * 1e6 / cfg["requests"], "user_us": user * 1e6 / cfg["requests"],
             "wall_s": wall, **counts}
+
+
+# -- the middleware's steps, without a database ---------------------------------------------
+
+def components(tree: Path, loops: int = 20000) -> dict[str, float]:
+    """µs per call of each step of a keyed request in ``TREE/python``'s middleware (best of 5
+    runs of ``loops`` calls), fed what a request of bench/http.py brings."""
+    sys.path.insert(0, str(tree / "python"))
+    import logging
+
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+
+    from pg_idempotency import asgi, core, telemetry
+    from pg_idempotency import contract as http
+    from pg_idempotency.core import ClaimResult, OperationCore
+
+    body = json.dumps({"account": "acct_3", "amount": 4242}).encode()
+    key = b"c1600f-7-12345"
+    scope = make_scope(key, b"acct_3", body)
+
+    class Pool:  # the middleware only reads max_size before a request
+        max_size = POOL
+
+    mw = asgi.IdempotencyMiddleware(lambda *a: None, pool=Pool(),
+                                    scope=lambda r: r.headers.get("x-account"),
+                                    routes={"POST /payments": http.Policy.REQUIRED})
+    settings = mw.settings
+    route = mw.routes.route("POST", "/payments")
+    epoch = "1733400000.123456"
+    fresh = {"outcome": "claimed", "lease_token": 4294967297, "lease_expires_at": epoch,
+             "recovery_point": None, "attempts": 1, "retry_after": None, "created_at": epoch,
+             "response_status": None, "response_headers": None, "response_body": None,
+             "response_body_bytes": None, "response_content_type": None, "completed_at": None}
+    response = JSONResponse({"ref": key.decode(), "account": "acct_3", "amount": 4242},
+                            status_code=201)
+    replay = dict(fresh, outcome="replay", lease_token=None, response_status=201,
+                  response_headers="{}", response_body_bytes=response.body,
+                  response_content_type="application/json", completed_at=epoch)
+    replayed = ClaimResult.from_row(replay)
+
+    def route_and_key() -> None:
+        headers = dict(scope["headers"])
+        found = mw.routes.route("POST", "/payments")
+        http.read_key(settings, found.policy, headers.get(mw.header), "POST", "/payments")
+        http.content_too_long(settings, asgi._ascii(headers.get(b"content-length")))
+
+    def read_body() -> None:
+        async def receive() -> dict[str, Any]:
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        coro = asgi._read_body(receive, settings.max_request_bytes)
+        try:
+            coro.send(None)
+        except StopIteration:
+            pass
+
+    def replay_answer() -> None:
+        answer = http.claim_answer(settings, replayed)
+        assert answer is not None
+        [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in answer.headers]
+
+    def telemetry_and_log() -> None:
+        for call in ("claim", "complete"):
+            obs = telemetry.start(call, "acct_3", "k")
+            telemetry.end(obs, "ok")
+            core.logger.isEnabledFor(logging.INFO)
+
+    def complete() -> None:
+        raw = [(bytes(k), bytes(v)) for k, v in response.raw_headers]
+        stored, content_type = http.stored_parts(
+            settings, [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw])
+        op = OperationCore("acct_3", key.decode(), None, fingerprint=bytes(32))
+        op._token = 4294967297
+        steps = op.g_complete(201, response.body, stored, content_type)
+        next(steps)
+        try:
+            steps.send({"completed_at": epoch})
+        except StopIteration:
+            pass
+
+    steps: dict[str, Any] = {
+        "route + key + length": route_and_key,
+        "scope callback (Request)": lambda: mw.scope_of(Request(scope)),
+        "read body": read_body,
+        "scope check + fingerprint": lambda: http.keyed_request(
+            settings, route, "acct_3", "POST", "/payments", "", "application/json", body),
+        "claim query": lambda: core._claim_query("acct_3", key.decode(), None,
+                                                 core.DEFAULT_LEASE, bytes(32), False, None,
+                                                 alone=True),
+        "claim row (fresh)": lambda: ClaimResult.from_row(fresh),
+        "claim row (replay)": lambda: ClaimResult.from_row(replay),
+        "replay answer": replay_answer,
+        "telemetry + log (2 calls)": telemetry_and_log,
+        "complete: prepare + result": complete,
+    }
+    out = {}
+    for name, step in steps.items():
+        best = float("inf")
+        for _ in range(5):
+            started = time.perf_counter()
+            for _ in range(loops):
+                step()
+            best = min(best, time.perf_counter() - started)
+        out[name] = best * 1e6 / loops
+    return out
+
+
+def print_components(trees: list[Path]) -> int:
+    results = []
+    for tree in trees:
+        out = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--components-of",
+                              str(tree)], stdout=subprocess.PIPE, text=True, check=True)
+        results.append(json.loads(out.stdout.splitlines()[-1]))
+    print("µs per call, best of 5 loops (no database; psycopg, asyncio and the framework "
+          "are not in these)\n")
+    print("| step | " + " | ".join(str(t) for t in trees) + " |")
+    print("|---|" + "---:|" * len(trees))
+    for name in results[0]:
+        print(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in results) + " |")
+    fresh = [n for n in results[0] if n not in ("claim row (replay)", "replay answer")]
+    replay = [n for n in results[0] if n not in ("claim row (fresh)", "claim query",
+                                                  "complete: prepare + result")]
+    replay.remove("telemetry + log (2 calls)")  # a replay has one call: counted as half
+    for label, names, half in (("fresh key, sum", fresh, 0.0), ("replay, sum", replay, 0.5)):
+        sums = [sum(r[n] for n in names) + half * r["telemetry + log (2 calls)"]
+                for r in results]
+        print(f"| {label} | " + " | ".join(f"**{x:.1f}**" for x in sums) + " |")
+    return 0
 
 
 # -- the parent: a server, interleaved children, the table ---------------------------------
@@ -208,11 +345,19 @@ def main() -> int:
     parser.add_argument("--top", type=int, default=40, help="functions printed (--profile)")
     parser.add_argument("--pstats", metavar="PATH",
                         help="also write the raw profile here (--profile; for pstats)")
+    parser.add_argument("--components", action="store_true",
+                        help="time the middleware's steps without a database (every --tree)")
     parser.add_argument("--child", metavar="CONFIG", help=argparse.SUPPRESS)
+    parser.add_argument("--components-of", metavar="TREE", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(asyncio.run(child_main(json.loads(args.child)))))
         return 0
+    if args.components_of:
+        print(json.dumps(components(Path(args.components_of))))
+        return 0
+    if args.components:
+        return print_components([t.resolve() for t in (args.tree or [ROOT])])
 
     sys.path.insert(0, str(ROOT / "tests"))
     import psycopg

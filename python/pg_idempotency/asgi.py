@@ -244,13 +244,12 @@ class IdempotencyMiddleware:
             await _send(send, keyed)
             return
         digest = keyed.fingerprint
-        held = contextlib.AsyncExitStack()  # a slot and a connection, while claimed or owned
+        held = _Held(self._holder_slots(), self.pool)
         op: aio.Operation | None = None
 
         async def claim() -> ClaimResult:
             nonlocal op
-            await held.enter_async_context(self._holder_slots())
-            conn = await held.enter_async_context(self.pool.connection())
+            conn = await held.take()
             op = aio.operation(conn, keyed.scope, key, None, fingerprint=digest,
                                lease=keyed.lease,
                                max_response_bytes=self.settings.max_response_bytes)
@@ -259,7 +258,7 @@ class IdempotencyMiddleware:
             return op.claim_result  # type: ignore[no-any-return]
 
         async def pause(seconds: float) -> None:
-            await held.aclose()  # no connection is held while polling
+            await held.give_back()  # no connection is held while polling
             await anyio.sleep(seconds)
 
         started = False
@@ -270,14 +269,18 @@ class IdempotencyMiddleware:
             await send(message)
 
         try:
-            async with held:
+            try:
                 claimed = await http.aclaim_waiting(self.settings, claim, pause)
                 if isinstance(claimed, Answer):
-                    await held.aclose()
+                    await held.give_back()
                     await _send(sending, claimed)
                 else:
                     assert op is not None
                     await self._execute(op, scope, receive, sending, body)
+            except BaseException as exc:
+                await held.give_back(exc)
+                raise
+            await held.give_back()
         except PoolTimeout:
             await _send(send, http.no_connection(self.settings))
         except Exception as exc:
@@ -381,6 +384,42 @@ class IdempotencyMiddleware:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         await _send_raw(send, start["status"], raw_headers, chunks)
+
+
+class _Held:
+    """The slot and the pooled connection a keyed request holds while its key is claimed or
+    owned: what an AsyncExitStack of the two does (the pool's context gets the exception the
+    request ends with), without the stack's cost on every request."""
+
+    __slots__ = ("_conn", "_pool", "_slot", "_slots")
+
+    def __init__(self, slots: anyio.Semaphore, pool: AsyncConnectionPool) -> None:
+        self._slots = slots
+        self._pool = pool
+        self._slot = False
+        self._conn: contextlib.AbstractAsyncContextManager[Any] | None = None
+
+    async def take(self) -> Any:
+        """A slot, then a connection of the pool (PoolTimeout when none is free in time)."""
+        await self._slots.acquire()
+        self._slot = True
+        conn = self._pool.connection()
+        taken = await conn.__aenter__()
+        self._conn = conn
+        return taken
+
+    async def give_back(self, exc: BaseException | None = None) -> None:
+        """The connection back to the pool (rolled back when ``exc`` is given, as the pool's
+        context does on an exception), then the slot; nothing when nothing is held."""
+        conn, self._conn = self._conn, None
+        try:
+            if conn is not None:
+                await conn.__aexit__(None if exc is None else type(exc), exc,
+                                     None if exc is None else exc.__traceback__)
+        finally:
+            if self._slot:
+                self._slot = False
+                self._slots.release()
 
 
 #: What _read_body returns for a body over the limit.
