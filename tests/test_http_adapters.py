@@ -56,10 +56,11 @@ from werkzeug.serving import make_server
 
 import pg_idempotency as idem
 import pg_idempotency.django as pg_django
-from payments_helpers import payments, uvicorn_server
+from payments_helpers import payments, uvicorn_server, with_pool_lifespan
 from pg_idempotency import asgi as pg_asgi
 from pg_idempotency import flask as pg_flask
 from pg_idempotency.errors import UsageError
+from pgharness import WAIT_BOUND, wait_until
 
 LEDGER = "CREATE TABLE IF NOT EXISTS ledger (intent text NOT NULL, note text)"
 LEASE = 1.0
@@ -140,15 +141,7 @@ def asgi_app(dsn: str) -> Any:
     store = pg_asgi.IdempotencyMiddleware(inner, routes={"POST /pay-store": "required"},
                                           store_server_errors=True, **options)
 
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await receive()
-            await pool.open()
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            await pool.close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
+    async def handle(scope: Any, receive: Any, send: Any) -> None:
         crash = (b"x-crash", b"after-commit") in scope.get("headers", [])
         chosen = store if scope["path"] == "/pay-store" else plain
         if not crash:
@@ -162,7 +155,7 @@ def asgi_app(dsn: str) -> Any:
         await send({"type": "http.response.start", "status": 502, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    return app
+    return with_pool_lifespan(pool, handle)
 
 
 def _django_view(store: bool) -> Any:
@@ -261,7 +254,7 @@ def wsgi_server(app: Any, django: bool = False) -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
-        thread.join(10)
+        thread.join(WAIT_BOUND)
 
 
 @contextmanager
@@ -306,7 +299,7 @@ def pay(base: str, key: str | None, intent: str, mode: str = "ok", path: str = "
         headers["Idempotency-Key"] = key
     if crash:
         headers["X-Crash"] = "after-commit"
-    return httpx.post(f"{base}{path}{query}", timeout=30, headers=headers,
+    return httpx.post(f"{base}{path}{query}", timeout=WAIT_BOUND, headers=headers,
                       content=json.dumps({"intent": intent, "mode": mode}))
 
 
@@ -332,10 +325,7 @@ def key_state(dsn: str, key: str) -> str | None:
 
 
 def until_claimed(dsn: str, key: str) -> None:
-    deadline = time.monotonic() + 10
-    while key_state(dsn, key) != "in_progress":
-        assert time.monotonic() < deadline, f"{key} was never claimed"
-        time.sleep(0.02)
+    wait_until(lambda: key_state(dsn, key) == "in_progress", f"{key} to be claimed")
 
 
 def fresh(r: httpx.Response, status: int = 201) -> None:
@@ -442,7 +432,7 @@ def case_aborted_upload_claims_nothing(base: str, dsn: str) -> None:
         sock.sendall(b"POST /pay HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Idempotency-Key: k\r\nContent-Length: 200\r\n\r\n" + b'{"intent": "i"')
         sock.shutdown(socket.SHUT_WR)  # the client goes away mid-body
-        sock.settimeout(10)
+        sock.settimeout(WAIT_BOUND)
         while sock.recv(4096):
             pass
     assert key_state(dsn, "k") is None and ledger(dsn, "i") == 0
@@ -540,7 +530,7 @@ def storm(url: str, intents: list[str], body_of: Callable[[str], bytes],
 
     def client(intent: str, n: int) -> None:
         rng = random.Random(f"{seed}-{intent}-{n}")
-        with httpx.Client(timeout=30) as http:
+        with httpx.Client(timeout=WAIT_BOUND) as http:
             for _ in range(200):
                 extra = {"X-Crash": "after-commit"} if rng.random() < crash_rate else {}
                 try:

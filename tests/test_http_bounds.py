@@ -44,11 +44,12 @@ from starlette.routing import Route as StarletteRoute
 from test_http_adapters import django_on, wsgi_server
 
 import pg_idempotency.django as pg_django
-from payments_helpers import uvicorn_server
+from payments_helpers import uvicorn_server, with_pool_lifespan
 from pg_idempotency import asgi as pg_asgi
 from pg_idempotency import contract
 from pg_idempotency import flask as pg_flask
 from pg_idempotency.contract import Route
+from pgharness import WAIT_BOUND
 
 ADAPTERS = ["asgi", "django", "django-mw", "flask", "wsgi"]
 MAX_REQUEST = 4000
@@ -81,19 +82,7 @@ def _asgi_app(dsn: str) -> Any:
     inner = Starlette(routes=[StarletteRoute(p, pay, methods=["POST"]) for p in ("/pay", "/only")])
     keyed = pg_asgi.IdempotencyMiddleware(
         inner, pool=pool, scope=lambda r: r.headers.get("x-account"), routes=ROUTES, **LIMITS)
-
-    async def app(scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] == "lifespan":
-            await receive()
-            await pool.open()
-            await send({"type": "lifespan.startup.complete"})
-            await receive()
-            await pool.close()
-            await send({"type": "lifespan.shutdown.complete"})
-            return
-        await keyed(scope, receive, send)
-
-    return app
+    return with_pool_lifespan(pool, keyed)
 
 
 def _django_view(request: HttpRequest) -> HttpResponse:
@@ -187,7 +176,7 @@ def post(base: str, path: str, key: bytes | str | None, body: Any, account: str 
     if key is not None:
         headers["Idempotency-Key"] = key
     content = raw if raw is not None else json.dumps(body).encode()
-    return httpx.post(base + path, headers=headers, content=content, timeout=30)
+    return httpx.post(base + path, headers=headers, content=content, timeout=WAIT_BOUND)
 
 
 def problem(r: httpx.Response, status: int, *words: str) -> str:
