@@ -363,12 +363,14 @@ END $$""").format(last=sql.Literal(KEYS_PER_CLASS - 1),
 
 @pytest.mark.parametrize("fn", sorted(OUTCOME_CALLS))
 def test_no_timing_oracle_in_the_outcome_forms(server: Any, db: str, fn: str) -> None:
-    """tests/test_timing_oracle.py's bounds, for the outcome forms, as the request role."""
+    """tests/test_timing_oracle.py's bounds, for the outcome forms, as the request role (in a
+    session with hostile settings: they change nothing the functions do)."""
     mine, other = "attacker", "victim"
     make_keys(db, (mine, other))
     classes = [f"{scope}/{state}" for scope in (mine, other) for state in (*STATES, "absent")]
     with login_roles(server, db, "request") as (role,), \
             psycopg.connect(db, user=role, autocommit=True) as conn:
+        apply(conn, HOSTILE_SETTINGS[1])
         server_side(conn, OUTCOME_CALLS[fn], classes)  # warm up: plans, caches
         times = server_side(conn, OUTCOME_CALLS[fn], classes)
     med = {cls: statistics.median(v) for cls, v in times.items()}
