@@ -300,6 +300,24 @@ def test_django_page(payments: PgServer, tmp_path: Path) -> None:
     assert ast.literal_eval(out[-2]) == [("receipt", {"payment_id": payment_id})]
     assert out[-1] == "0"
 
+    # "Testing your app": the TestCase with the mixin (the page's indented block, in
+    # ledger/tests.py), run by the owner once a superuser gave it CREATEDB.
+    testcase = re.search(r"^  ```python\n(.*?)^  ```", (DOCS / "django.md").read_text(),
+                         re.M | re.S).group(1)
+    assert "IdempotencyTestCaseMixin" in testcase
+    (project / "ledger" / "tests.py").write_text(re.sub(r"^  ", "", testcase, flags=re.M))
+    test_line = block("django.md", "", "manage.py test ledger").strip()
+    refused = subprocess.run(["bash", "-c", test_line.replace("payments_owner", APP)],
+                             cwd=project, env=env, capture_output=True, text=True,
+                             timeout=BOUND, stdin=subprocess.DEVNULL)
+    assert "permission denied to create database" in refused.stdout + refused.stderr
+    with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
+        conn.execute(block("django.md", "sql", "CREATEDB"))
+    done = subprocess.run(["bash", "-c", test_line], cwd=project, env=env,
+                          capture_output=True, text=True, timeout=BOUND,
+                          stdin=subprocess.DEVNULL)
+    assert done.returncode == 0 and "Ran 1 test" in done.stderr, done.stdout + done.stderr
+
 
 def query_autocommit(server: PgServer, statement: str) -> None:
     with psycopg.connect(server.dsn(DB, user=OWNER), autocommit=True) as conn:
