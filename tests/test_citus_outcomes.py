@@ -184,6 +184,42 @@ def test_a_lost_lease_as_an_outcome_costs_no_worker_connection(env: Env) -> None
                                    (raw, "in_progress", None)])
 
 
+def test_the_outcome_forms_run_on_the_scopes_worker_in_one_hop(env: Env) -> None:
+    """distribute() delegates them by scope with force_delegation, like heartbeat: the
+    coordinator sends each as one command, also inside a transaction block."""
+    with psycopg.connect(env.cluster.dsn, autocommit=True) as conn:
+        delegated = dict(conn.execute(
+            "SELECT p.proname::text, o.force_delegation FROM pg_dist_object AS o"
+            " JOIN pg_proc AS p ON p.oid = o.objid WHERE o.classid = 'pg_proc'::regclass"
+            " AND o.distribution_argument_index = 0 AND p.proname LIKE '%%_outcome'"
+        ).fetchall())
+    assert delegated == dict.fromkeys(
+        ["heartbeat_outcome", "checkpoint_outcome", "release_outcome"], True)
+    scope = _scope()
+    notices: list[str] = []
+    for autocommit in (True, False):
+        with psycopg.connect(env.role_dsn, autocommit=autocommit) as conn:
+            conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+            conn.execute("SET citus.log_remote_commands = on")
+            conn.execute("SET client_min_messages = log")
+            for query in (Q.HEARTBEAT_OUTCOME, Q.CHECKPOINT_OUTCOME, Q.RELEASE_OUTCOME):
+                notices.clear()
+                outcome = conn.execute(query, {
+                    "scope": scope, "key": "k", "lease_token": 1,
+                    "lease": timedelta(seconds=60), "recovery_point": "r", "extend": None,
+                    "reference_time": None}).fetchone()[0]
+                assert outcome == "lease_lost"
+                issued = [n for n in notices if n.startswith("issuing")]
+                name = query.split("idempotency.")[1].split("(")[0]
+                # one command with the call (plus BEGIN and the transaction id inside a
+                # transaction block), and no statement of the body run from the coordinator
+                assert len([c for c in issued if f"idempotency.{name}(" in c]) == 1, issued
+                assert not [c for c in issued
+                            if "idempotency.keys" in c or "key_directory" in c], issued
+            if not autocommit:
+                conn.rollback()
+
+
 def _sqlstate(conn: psycopg.Connection[Any], query: str, params: Any) -> str | None:
     try:
         conn.execute(query, params)
