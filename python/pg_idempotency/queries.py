@@ -50,22 +50,28 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     reference_time => %(reference_time)s::timestamptz)
 """
 
-# The same calls as the package's own drivers send them (core._execute): the whole
-# claim_result with its results in binary, which core.claim_result_of reads from the raw
-# result, no loader involved. Binary timestamptz and interval are numbers whatever the DateStyle,
+# The same calls as the package's own drivers send them (core._execute): claim_result's
+# columns as they are, in binary, which core.claim_result_of reads from the raw result, no
+# loader involved. Binary timestamptz and interval are numbers whatever the DateStyle,
 # IntervalStyle and TimeZone, and no loader an application registered (for text, jsonb, the
 # times) sees them; the server neither converts 13 columns to text nor parses and plans the
-# conversions (issue 32: about an eighth of claim's server CPU, unprepared). CLAIM and TAKEOVER
-# above stay for drivers that read rows through loaders (the SQLAlchemy session's).
-CLAIM_BINARY: Final = """
-SELECT * FROM idempotency.claim(
+# conversions (issue 32: about an eighth of claim's server CPU, unprepared). Named columns, not
+# *: a statement prepared by the opt-in (allow_prepared_statements) keeps its result when a
+# migration widens claim_result. CLAIM and TAKEOVER above stay for drivers that read rows
+# through loaders (the SQLAlchemy session's).
+_BINARY_COLUMNS = """outcome, lease_token, lease_expires_at, recovery_point, attempts,
+       response_status, response_headers, response_body, response_body_bytes,
+       response_content_type, retry_after, created_at, completed_at"""
+
+CLAIM_BINARY: Final = f"""
+SELECT {_BINARY_COLUMNS} FROM idempotency.claim(
     scope => %(scope)s::text, key => %(key)s::text, request => %(request)s::jsonb,
     lease => %(lease)s::interval, fingerprint => %(fingerprint)s::bytea,
     strict => %(strict)s::boolean, reference_time => %(reference_time)s::timestamptz)
 """
 
-TAKEOVER_BINARY: Final = """
-SELECT * FROM idempotency.takeover(
+TAKEOVER_BINARY: Final = f"""
+SELECT {_BINARY_COLUMNS} FROM idempotency.takeover(
     scope => %(scope)s::text, key => %(key)s::text, lease => %(lease)s::interval,
     reference_time => %(reference_time)s::timestamptz)
 """
