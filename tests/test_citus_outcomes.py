@@ -41,6 +41,7 @@ from test_citus_error_cost import CALLS, _measure, _others, _sessions
 from test_citus_security import Secured
 
 import pg_idempotency as idem
+from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 from pg_idempotency import errors
 from pg_idempotency import queries as Q
 from pg_idempotency.client import RetryingClient
@@ -245,6 +246,46 @@ def test_op_checkpoint_after_a_takeover_rolls_the_colocated_write_back(env: Env)
         assert owner.execute("SELECT state, recovery_point FROM idempotency.keys"
                              " WHERE scope = %s", (scope,)).fetchone() == ("in_progress", None)
     assert logged.lines() == []
+
+
+def test_a_distributed_install_upgraded_to_0011_delegates_and_grants_them(
+        citus_cluster: Any) -> None:
+    """0.10.0 distributed, a request role granted, then 0011 and distribute() again (as
+    docs/scale-out.md says): the outcome forms are delegated, the role may call them, and a
+    lost lease costs it no new worker session."""
+    db = f"idem_up_{uuid.uuid4().hex[:8]}"
+    citus_cluster.create_database(db)
+    cluster = Cluster(citus_cluster, db)
+    migrations = sorted(MIGRATIONS.glob("*.sql"))
+    assert migrations[10].name.startswith("0011_")
+    for migration in migrations[:10]:
+        cluster.coordinator.run_psql(cluster.dsn, migration, args=MIGRATION_PSQL_ARGS)
+    role = f"request_{uuid.uuid4().hex[:6]}"
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        conn.execute("SELECT idempotency.distribute(4)")
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'request')", (role,))
+    for migration in migrations[10:]:
+        cluster.coordinator.run_psql(cluster.dsn, migration, args=MIGRATION_PSQL_ARGS)
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        done = conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall()
+        token = conn.execute("SELECT lease_token FROM idempotency.claim('t', 'k', '{}')"
+                             ).fetchone()[0]
+    delegated = {o.split("(")[0] for o, a in done if a == "delegated by scope"}
+    assert delegated == {"idempotency.heartbeat_outcome", "idempotency.checkpoint_outcome",
+                         "idempotency.release_outcome"}, done
+    upgraded = Env(cluster, role)
+    logged = WorkerErrors(upgraded)
+    per_call, _median, answers = _measure(cluster, lambda c: _lost(
+        lambda: idem.heartbeat(c, "t", "k", token + 1)), upgraded.role_dsn)
+    assert set(answers) == {"LeaseLost"} and per_call == 0
+    assert logged.lines() == []
+    with psycopg.connect(upgraded.role_dsn, autocommit=True) as conn:
+        idem.release(conn, "t", "k", token)  # the right token: ok
+    with psycopg.connect(cluster.dsn, autocommit=True) as conn:
+        assert conn.execute("SELECT state FROM idempotency.keys WHERE key = 'k'"
+                            ).fetchone() == ("released",)
+    citus_cluster.drop_database(db)
 
 
 # The call shapes that crashed unpatched Citus (test_citus_security.py), for the new delegated
