@@ -24,6 +24,7 @@ from starlette.routing import Route
 
 from payments_helpers import lifespan, payments
 from pg_idempotency.asgi import IdempotencyMiddleware, get_operation
+from pgharness import WAIT_BOUND
 
 pytestmark = pytest.mark.anyio
 
@@ -77,7 +78,7 @@ async def test_retries_get_the_same_202_then_the_workers_result(db: str) -> None
             assert processor.calls == 1
 
             gate.set()
-            deadline = time.monotonic() + 10
+            deadline = time.monotonic() + WAIT_BOUND
             while status.json()["state"] != "captured":
                 assert time.monotonic() < deadline, "the worker never finished"
                 await asyncio.sleep(0.05)

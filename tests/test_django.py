@@ -47,6 +47,7 @@ import pg_idempotency.django as pg_django  # noqa: E402
 from pg_idempotency.django import idempotent  # noqa: E402
 from pg_idempotency.django.testing import IdempotencyTestCaseMixin  # noqa: E402
 from pg_idempotency.migrate import migrations as bundled  # noqa: E402
+from pgharness import WAIT_BOUND  # noqa: E402
 
 MERCHANT = {"HTTP_X_MERCHANT": "m1"}
 BODY = {"account": "alice", "amount": "12.50"}
@@ -177,13 +178,13 @@ def test_conflict_has_a_small_retry_after(app_db: str, monkeypatch: Any) -> None
 
     def slow(account: Any, amount: Any) -> Any:
         started.set()
-        assert go.wait(10)
+        assert go.wait(WAIT_BOUND)
         return original(account, amount)
 
     monkeypatch.setattr(views, "record", slow)
     with ThreadPoolExecutor(1) as pool:
         first = pool.submit(closing(post, Client(), "k1"))
-        assert started.wait(10)
+        assert started.wait(WAIT_BOUND)
         busy = closing(post, Client(), "k1")()
         go.set()
         assert first.result().status_code == 201
@@ -279,7 +280,7 @@ def test_lease_takeover_fences_the_old_worker(app_db: str, monkeypatch: Any) -> 
         payment = original_record(account, amount)
         if calls["record"] == 1:  # A: written, then stalls past its lease
             a_wrote.set()
-            assert b_claimed.wait(10)
+            assert b_claimed.wait(WAIT_BOUND)
         return payment
 
     def claim(*args: Any) -> Any:
@@ -295,12 +296,12 @@ def test_lease_takeover_fences_the_old_worker(app_db: str, monkeypatch: Any) -> 
     with override_settings(PG_IDEMPOTENCY=dict(settings.PG_IDEMPOTENCY, LEASE=1)):
         with ThreadPoolExecutor(1) as pool:
             a = pool.submit(closing(post, Client(), "k1"))
-            assert a_wrote.wait(10)
+            assert a_wrote.wait(WAIT_BOUND)
             time.sleep(1.3)
             with ThreadPoolExecutor(1) as pool_b:
                 b = pool_b.submit(closing(post, Client(), "k1"))
-                a_response = a.result(timeout=20)
-                b_response = b.result(timeout=20)
+                a_response = a.result(timeout=WAIT_BOUND)
+                b_response = b.result(timeout=WAIT_BOUND)
     assert a_response.status_code == 409 and a_response.headers["Retry-After"] == "1"
     assert b_response.status_code == 201
     assert counts() == (1, 2, 1)
@@ -320,7 +321,7 @@ def test_eight_concurrent_requests_over_http(app_db: str) -> None:
 
     def send(_: int) -> httpx.Response:
         barrier.wait()
-        return httpx.post(url, content=json.dumps(BODY), timeout=30,
+        return httpx.post(url, content=json.dumps(BODY), timeout=WAIT_BOUND,
                           headers={"Content-Type": "application/json", "X-Merchant": "m1",
                                    "Idempotency-Key": "k8"})
 
@@ -478,9 +479,10 @@ def test_worker_process_killed_after_commit(app_db: str) -> None:
         port = int(proc.stdout.readline())
         with pytest.raises(httpx.TransportError):
             httpx.post(f"http://127.0.0.1:{port}/payments/", content=json.dumps(BODY),
-                       timeout=30, headers={"Content-Type": "application/json",
-                                            "X-Merchant": "m1", "Idempotency-Key": "kx"})
-        assert proc.wait(timeout=30) == 17
+                       timeout=WAIT_BOUND,
+                       headers={"Content-Type": "application/json", "X-Merchant": "m1",
+                                "Idempotency-Key": "kx"})
+        assert proc.wait(timeout=WAIT_BOUND) == 17
     finally:
         if proc.poll() is None:
             proc.kill()

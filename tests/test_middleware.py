@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from datetime import timedelta
 from typing import Any
 
@@ -23,6 +24,7 @@ from payments_helpers import ledger_rows, lifespan, payments, uvicorn_server
 from pg_idempotency import aio
 from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation
 from pg_idempotency.contract import Settings, request_fingerprint
+from pgharness import WAIT_BOUND, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -125,17 +127,38 @@ async def test_409_with_retry_after_then_replay(db: str) -> None:
 HOSTILE_OPTIONS = "-c DateStyle=SQL,DMY -c IntervalStyle=sql_standard -c TimeZone=Pacific/Chatham"
 
 
+class GatedProcessor(payments.FakeProcessor):
+    """Charge number i (from 0) of the first ``gated`` ones says so (``entered[i]``) and waits
+    in the processor until the test opens ``gates[i]``; later charges go through: requests that
+    hold their key exactly as long as the test needs, in its order, on a machine of any
+    speed."""
+
+    def __init__(self, gated: int = 1) -> None:
+        super().__init__()
+        self.entered = [asyncio.Event() for _ in range(gated)]
+        self.gates = [asyncio.Event() for _ in range(gated)]
+        self._charges = 0
+
+    async def charge(self, key: str, amount: int, currency: str) -> str:
+        i, self._charges = self._charges, self._charges + 1
+        if i < len(self.gates):
+            self.entered[i].set()
+            await self.gates[i].wait()
+        return await super().charge(key, amount, currency)
+
+
 async def test_409_and_replay_under_hostile_session_settings(db: str) -> None:
-    processor = payments.FakeProcessor(delay=1.0)
+    processor = GatedProcessor()
     app = payments.create_app(make_conninfo(db, options=HOSTILE_OPTIONS), processor, wait=0)
     async with lifespan(app), asgi_client(app) as client:
         original = asyncio.ensure_future(post(client, "slow", {"amount": 9}))
-        await _until_claimed(db, "slow")
+        await asyncio.wait_for(processor.entered[0].wait(), WAIT_BOUND)  # it holds the key
         with psycopg.connect(db) as conn:  # the lease went in as 30 s
             assert conn.execute("SELECT lease_expires_at - created_at FROM idempotency.keys "
                                 "WHERE key = 'slow'").fetchone() == (timedelta(seconds=30),)
         busy = await post(client, "slow", {"amount": 9})  # reads retry_after (an interval)
         assert busy.status_code == 409 and busy.headers["retry-after"] == "2"
+        processor.gates[0].set()
         first = await original
         assert first.status_code == 201, first.text
         replay = await post(client, "slow", {"amount": 9})  # reads completed_at
@@ -147,14 +170,18 @@ async def test_409_and_replay_under_hostile_session_settings(db: str) -> None:
 async def test_lease_lost_while_handling_rolls_back_and_answers_409(db: str) -> None:
     """The first attempt outlives its lease; a retry takes the key over and finishes. The
     first one's complete() is fenced off: its ledger row rolls back, its client gets 409."""
-    processor = payments.FakeProcessor(delay=1.2)
+    processor = GatedProcessor(gated=2)
     app = payments.create_app(db, processor, wait=0, lease=0.4)
     async with lifespan(app), asgi_client(app) as client:
         slow = asyncio.ensure_future(post(client, "fenced", {"amount": 5}))
-        await _until_claimed(db, "fenced")
-        await asyncio.sleep(0.6)
-        retry = await post(client, "fenced", {"amount": 5})
+        await asyncio.wait_for(processor.entered[0].wait(), WAIT_BOUND)  # claimed, charging
+        await asyncio.sleep(0.6)  # past its 0.4 s lease (later only means more expired)
+        retrying = asyncio.ensure_future(post(client, "fenced", {"amount": 5}))
+        await asyncio.wait_for(processor.entered[1].wait(), WAIT_BOUND)  # it took the key over
+        processor.gates[0].set()  # the first one writes and completes: fenced off
         first = await slow
+        processor.gates[1].set()
+        retry = await retrying
         assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
         assert first.status_code == 409 and first.headers["retry-after"] == "1"
         replay = await post(client, "fenced", {"amount": 5})
@@ -178,7 +205,7 @@ def test_50_concurrent_identical_posts_uvicorn(db: str) -> None:
 
     async def fire(base: str) -> list[httpx.Response]:
         limits = httpx.Limits(max_connections=50)
-        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=base, limits=limits, timeout=WAIT_BOUND) as client:
             return await asyncio.gather(*(post(client, "same", {"amount": 70})
                                           for _ in range(50)))
 
@@ -248,13 +275,14 @@ async def test_failures_release_or_keep_the_key(db: str) -> None:
 
 
 async def _until_claimed(db: str, key: str) -> None:
+    deadline = time.monotonic() + WAIT_BOUND
     async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
-        for _ in range(200):
+        while time.monotonic() < deadline:
             cur = await conn.execute("SELECT 1 FROM idempotency.keys WHERE key = %s", (key,))
             if await cur.fetchone():
                 return
             await asyncio.sleep(0.01)
-    raise AssertionError(f"{key} was never claimed")
+    raise AssertionError(f"waited {WAIT_BOUND:g} s in vain for {key} to be claimed")
 
 
 # -- the defects of issue 12: aborted uploads, options, the pool ------------------------------
@@ -305,12 +333,17 @@ def test_aborted_upload_is_never_claimed(db: str) -> None:
     """A client sends half of its body and disconnects (raw socket, real uvicorn): no claim,
     the handler never runs; its retry with the whole body and the same key is charged once."""
     import socket
-    import time
     from urllib.parse import urlsplit
 
     calls: list[Any] = []
     pool = AsyncConnectionPool(db, min_size=1, max_size=4, open=False)
     app = _notes_app(db, pool, calls)
+    received: list[str] = []  # the messages the app received, in order
+
+    async def receive_counted(receive: Any) -> Any:
+        message = await receive()
+        received.append(message["type"])
+        return message
 
     async def lifespan_app(scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] == "lifespan":
@@ -322,7 +355,7 @@ def test_aborted_upload_is_never_claimed(db: str) -> None:
             await pool.close()
             await send({"type": "lifespan.shutdown.complete"})
             return
-        await app(scope, receive, send)
+        await app(scope, lambda: receive_counted(receive), send)
 
     body = json.dumps({"note": "paid"}).encode()
     with uvicorn_server(lifespan_app) as base:
@@ -331,10 +364,10 @@ def test_aborted_upload_is_never_claimed(db: str) -> None:
             sock.sendall(b"POST /n HTTP/1.1\r\nHost: t\r\nIdempotency-Key: up-1\r\n"
                          b"Content-Type: application/json\r\n"
                          + f"Content-Length: {len(body)}\r\n\r\n".encode() + body[:7])
-            time.sleep(0.3)  # the server has the headers and half the body
-        time.sleep(0.5)  # and now the disconnect
+            wait_until(lambda: received, "the app to receive the first part of the body")
+        wait_until(lambda: "http.disconnect" in received, "the app to see the disconnect")
         assert calls == [] and _keys(db) == 0
-        with httpx.Client(base_url=base, timeout=10) as client:
+        with httpx.Client(base_url=base, timeout=WAIT_BOUND) as client:
             full = client.post("/n", content=body, headers={
                 "Idempotency-Key": "up-1", "Content-Type": "application/json"})
             again = client.post("/n", content=body, headers={
@@ -423,9 +456,13 @@ async def test_second_connection_from_the_middlewares_pool(db: str) -> None:
     middleware holds theirs from (4 connections): with the default pool_reserve=1 all succeed;
     with pool_reserve=0 they deadlock until the pool timeout, and the error says why."""
     calls: list[Any] = []
+    # The safe app's pool waits as long as a loaded machine needs; the unsafe one's 1 s
+    # timeout is the behaviour under test (its assertion is on the error, not on time).
+    safe_pool = AsyncConnectionPool(db, min_size=1, max_size=4, timeout=WAIT_BOUND, open=False)
     pool = AsyncConnectionPool(db, min_size=1, max_size=4, timeout=1, open=False)
-    safe = _notes_app(db, pool, calls)
+    safe = _notes_app(db, safe_pool, calls)
     unsafe = _notes_app(db, pool, calls, pool_reserve=0)
+    await safe_pool.open()
     await pool.open()
     try:
         async with asgi_client(safe) as client:
@@ -441,6 +478,7 @@ async def test_second_connection_from_the_middlewares_pool(db: str) -> None:
                 return_exceptions=True)
     finally:
         await pool.close()
+        await safe_pool.close()
     errors = [r for r in results if isinstance(r, BaseException)]
     assert errors and all(type(e).__name__ == "PoolExhausted" for e in errors), results
     assert "pool_reserve" in str(errors[0])

@@ -27,7 +27,7 @@ from psycopg.types.json import Jsonb
 from test_install import reinstall_this_build, scratch_db
 from test_upgrade_directory import make_state, walk
 
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer, wait_until
 
 ROUTES = ("_key_row", "_complete_row", "_heartbeat_row", "_checkpoint_row", "_accept_row",
           "_release_row", "_resume_row", "_drop_released_row")
@@ -120,13 +120,13 @@ def sqlstate_after_drop(waiter: psycopg.Connection[Any], dropper: psycopg.Connec
 
     thread = threading.Thread(target=call)
     thread.start()
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not dropper.execute(
-            "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0]:
-        time.sleep(0.02)
+    wait_until(lambda: not thread.is_alive() or dropper.execute(
+        "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0],
+        "the call to wait for the DROP")
     assert thread.is_alive(), outcome  # it waited for the DROP
     dropper.execute("COMMIT")
-    thread.join(10)
+    thread.join(WAIT_BOUND)
+    assert not thread.is_alive()
     return outcome
 
 

@@ -25,6 +25,7 @@ from pg_idempotency.sqlalchemy import (
     bind_session,
     operation,
 )
+from pgharness import WAIT_BOUND
 
 
 class Base(DeclarativeBase):
@@ -155,7 +156,8 @@ def test_8_concurrent_session_operations_one_row(engine: Engine, db: str) -> Non
     for t in threads:
         t.start()
     for t in threads:
-        t.join(30)
+        t.join(WAIT_BOUND)
+    assert not any(t.is_alive() for t in threads)
     assert len(outcomes) == 8 and outcomes.count("executed") == 1, outcomes
     assert notes(db) == ["charged"]
 

@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 
 from payments_helpers import ROOT, lifespan, uvicorn_server
 from pg_idempotency.asgi import get_operation
+from pgharness import WAIT_BOUND
 
 pytestmark = pytest.mark.anyio
 
@@ -45,7 +46,7 @@ def pay(client: httpx.AsyncClient, key: str, body: Any, path: str = "/payments")
 
 def asgi_client(app: Any) -> httpx.AsyncClient:
     transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
-    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=30)
+    return httpx.AsyncClient(transport=transport, base_url="http://test", timeout=WAIT_BOUND)
 
 
 def rows(dsn: str) -> list[tuple[Any, ...]]:
@@ -75,7 +76,7 @@ def test_8_concurrent_identical_requests_over_uvicorn(db: str) -> None:
     app.state.faults["delay"] = 0.3  # the first one is slow: the others must wait, not run
 
     async def fire(base: str) -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+        async with httpx.AsyncClient(base_url=base, timeout=WAIT_BOUND) as client:
             return await asyncio.gather(*(pay(client, "same", {"amount": 70})
                                           for _ in range(8)))
 

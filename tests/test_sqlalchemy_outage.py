@@ -16,7 +16,6 @@ point of an operation, as the request role:
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Iterator
 from typing import Annotated, Any
 
@@ -37,7 +36,7 @@ from payments_helpers import uvicorn_server
 from pg_idempotency import sqlalchemy as pg_sa
 from pg_idempotency.asgi import IdempotencyMiddleware
 from pg_idempotency.errors import DatabaseUnavailable
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer, wait_until
 
 LEASE = 1.0
 #: The handler's session, inside the operation's transaction (as examples/fastapi_sqlalchemy).
@@ -95,12 +94,9 @@ def state(db: str, key: str) -> str | None:
 def wait_for_lease(db: str, key: str) -> None:
     """Until the key's lease has expired by the server's clock (the point of a retry)."""
     with psycopg.connect(db, autocommit=True) as conn:
-        for _ in range(600):
-            if conn.execute("SELECT lease_expires_at < clock_timestamp() FROM idempotency.keys "
-                            "WHERE key = %s", (key,)).fetchone() == (True,):
-                return
-            time.sleep(0.05)
-    pytest.fail(f"the lease of {key} did not expire")
+        wait_until(lambda: conn.execute(
+            "SELECT lease_expires_at < clock_timestamp() FROM idempotency.keys WHERE key = %s",
+            (key,)).fetchone() == (True,), f"the lease of {key} to expire")
 
 
 #: What a key claimed before the loss is left as: released when the package's release, on
@@ -217,13 +213,14 @@ def test_asgi_request_session_lost_connection_is_503(db: str, role: str) -> None
         for fault in ("in-commit", "at-complete"):
             app.state.faults[fault] = fault
             headers = {"Idempotency-Key": fault, "X-Account": "acct"}
-            r = httpx.post(base + "/pay", json={"intent": fault}, headers=headers, timeout=60)
+            r = httpx.post(base + "/pay", json={"intent": fault}, headers=headers,
+                           timeout=WAIT_BOUND)
             assert r.status_code == 503, (fault, r.status_code, r.text)
             assert r.headers["retry-after"] == "1"
             assert r.headers["content-type"] == "application/problem+json"
             assert rows(db, fault) == 0 and state(db, fault) in LEFT
             retry_until_completed(db, fault)
             again = httpx.post(base + "/pay", json={"intent": fault}, headers=headers,
-                               timeout=60)
+                               timeout=WAIT_BOUND)
             assert again.status_code == 201, again.text
             assert rows(db, fault) == 1 and state(db, fault) == "completed"
