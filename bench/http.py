@@ -512,7 +512,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return results
 
 
-PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "pg_wait_ms", "wal_bytes")
+# server_cpu_ms is the uvicorn process's CPU per answer (the app's, issue 32's target 2)
+PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "pg_wait_ms", "wal_bytes", "server_cpu_ms")
 
 
 def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str, Any]:
@@ -543,12 +544,13 @@ def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str
 
 def print_server_cost(results: list[dict[str, Any]]) -> None:
     labels = {"rps": "requests/s", "stmt_ms": "statement ms/req", "pg_cpu_ms": "PG CPU ms/req",
-              "pg_wait_ms": "PG run-queue wait ms/req", "wal_bytes": "WAL bytes/req"}
+              "pg_wait_ms": "PG run-queue wait ms/req", "wal_bytes": "WAL bytes/req",
+              "server_cpu_ms": "app (uvicorn) CPU ms/req"}
     print("\nPostgreSQL's cost per request in the measuring window (medians of the rounds; "
           "statement time: pg_stat_statements, top level; CPU: every server process, /proc; "
           "run-queue wait: the time those processes were runnable but waited for a CPU, "
-          "/proc/PID/schedstat; WAL: pg_current_wal_insert_lsn delta), and ours (middleware) "
-          "over recipe and none, per round and median:\n")
+          "/proc/PID/schedstat; WAL: pg_current_wal_insert_lsn delta), the app's (uvicorn's) CPU "
+          "per answer, and ours (middleware) over recipe and none, per round and median:\n")
     print("| load | figure | none | recipe | ours | ours/recipe per round (median) "
           "| ours/none per round (median) |")
     print("|---|---|---:|---:|---:|---|---|")

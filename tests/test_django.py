@@ -149,6 +149,25 @@ def test_replay_is_byte_identical_and_contract(app_db: str) -> None:
     assert counts() == (2, 4, 2)
 
 
+def test_chunked_body_is_411_and_nothing_is_claimed(app_db: str) -> None:
+    """Django reads a body by its Content-Length only: a chunked one reaches the view empty, so
+    two chunked requests with one key and different bodies would be one request (the second a
+    replay of the first). Both are 411 before any claim; the same key then runs once."""
+    client = Client()
+    for _ in range(2):
+        chunked = client.generic("POST", "/payments/", b"", HTTP_IDEMPOTENCY_KEY="ch1",
+                                 HTTP_TRANSFER_ENCODING="chunked", **MERCHANT)
+        assert chunked.status_code == 411, chunked.content
+        assert chunked.headers["Content-Type"] == "application/problem+json"
+        assert "Content-Length" in chunked.json()["detail"]
+    assert counts() == (0, 0, 0)
+    with psycopg.connect(app_db) as conn:
+        assert conn.execute("SELECT count(*) FROM idempotency.keys").fetchone() == (0,)
+    first = post(client, "ch1")
+    assert first.status_code == 201 and "Idempotent-Replayed" not in first.headers
+    assert counts() == (1, 2, 1)
+
+
 def test_the_claim_commits_before_the_view_and_on_commit_waits(app_db: str,
                                                                monkeypatch: Any) -> None:
     """While the view runs, another connection already sees the claim (409) but not the

@@ -12,7 +12,8 @@ their framework's transaction. docs/http.md states the same contract in prose:
   required route or invalid;
 - the limits (:func:`too_large`, :func:`response_too_large`): 413 for a request body over
   ``max_request_bytes`` before any claim; 507 for an answer over ``max_response_bytes``, never
-  stored (the handler's writes roll back, the key is released);
+  stored (the handler's writes roll back, the key is released); 411 (:func:`length_required`)
+  for a chunked body where the framework reads none (Django), before any claim;
 - the request (:func:`keyed_request`): the caller's scope checked (400 naming it) and the
   fingerprint (400 for a body the fingerprint refuses, e.g. nested deeper than 128);
 - what the fingerprint covers (:func:`request_fingerprint`): method, path, body (a JSON body by
@@ -46,7 +47,8 @@ from .fingerprint import _check_name, describe_request, fingerprint
 
 __all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Keyed", "Policy", "Route", "Routes",
            "Settings", "content_too_long", "keyed_request", "response_too_large", "too_large",
-           "aclaim_waiting", "body_complete", "claim_answer", "claim_waiting", "guarded",
+           "aclaim_waiting", "body_complete", "chunked_without_length", "claim_answer",
+           "claim_waiting", "guarded", "length_required",
            "handling_of", "in_progress", "incomplete_body", "no_connection", "outage", "problem",
            "parse_key", "read_key", "register_guard", "request_fingerprint", "start",
            "stored_answer", "stored_parts", "stores", "taken_over", "unavailable",
@@ -380,6 +382,24 @@ def incomplete_body() -> Answer:
     claimed, so its retry with the whole body is the first attempt."""
     return problem(400, "Incomplete body",
                    "The request body ended before its Content-Length. Nothing was done.")
+
+
+def chunked_without_length(transfer_encoding: str | None, content_length: str | None) -> bool:
+    """Whether the request's body comes chunked (``Transfer-Encoding: chunked``) without a
+    Content-Length: what an adapter whose framework reads a body by its Content-Length only
+    (Django) cannot fingerprint (:func:`length_required`)."""
+    return bool(transfer_encoding and "chunked" in transfer_encoding.lower()
+                and not content_length)
+
+
+def length_required() -> Answer:
+    """411: a chunked body (no Content-Length) to a framework that reads a body by its
+    Content-Length only (Django: the view would get an empty body, and the key would be
+    claimed for it, so that another body under the same key would replay its answer).
+    Nothing is claimed; the same request with a Content-Length is the first attempt."""
+    return problem(411, "Length Required",
+                   "Send the request body with a Content-Length header (not chunked). "
+                   "Nothing was done.")
 
 
 def body_complete(content_length: str | None, body: bytes) -> bool:

@@ -228,6 +228,11 @@ def _keyed(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config
         return view() if key is None else _response(key)
     if http.content_too_long(s, request.META.get("CONTENT_LENGTH")):
         return _response(http.too_large(s))  # before Django reads the body
+    if http.chunked_without_length(request.META.get("HTTP_TRANSFER_ENCODING"),
+                                   request.META.get("CONTENT_LENGTH")):
+        # Django reads a body by its Content-Length only: this one would be fingerprinted
+        # (and seen by the view) as empty.
+        return _response(http.length_required())
     caller = conf.scope(request)
     if not caller:
         return _response(http.unknown_caller())
