@@ -341,7 +341,8 @@ def _operation_retries(env: Env, scope: str) -> None:
     problems: list[BaseException] = []
 
     def attempt(conn: psycopg.Connection[Any]) -> bool:
-        with idem.operation(conn, scope, key, {"amount": 7}) as op:
+        # A lease no loaded machine outlasts: no retry may resume the owner's key.
+        with idem.operation(conn, scope, key, {"amount": 7}, lease=600) as op:
             if op.replay is not None:
                 replays.append(op.replay.status)
                 return True
@@ -431,7 +432,7 @@ def _http_retries(env: Env, scope: str) -> None:
     # A fixed size, so both runs of the storm open the same connections.
     with ConnectionPool(env.role_dsn, min_size=2, max_size=2, open=True) as pool:
         app = IdempotencyMiddleware(view, pool=pool, scope=lambda environ: scope,
-                                    routes={"POST /pay": "required"})
+                                    routes={"POST /pay": "required"}, lease=600)
         with httpx.Client(transport=httpx.WSGITransport(app=app), base_url="http://app") as http:
             client = RetryingClient(http, initial=0.01, max_delay=0.1, attempts=20,
                                     timeout=WAIT_BOUND)
