@@ -33,11 +33,18 @@ def record(account: Account, amount: Decimal) -> Payment:
 
 
 def _parse(request: HttpRequest) -> tuple[str, Decimal] | JsonResponse:
+    """(account, amount), or a 400: a client's mistake is never a 500 from a value the
+    columns refuse (a name over 100 characters or with a NUL, an amount over 12 digits)."""
     try:
         data = json.loads(request.body)
-        return str(data["account"]), Decimal(str(data["amount"]))
+        name, amount = data["account"], Decimal(str(data["amount"]))
     except (ValueError, KeyError, TypeError, InvalidOperation):
-        return JsonResponse({"error": "expected {\"account\": ..., \"amount\": ...}"}, status=400)
+        name, amount = None, Decimal(0)
+    if (isinstance(name, str) and 0 < len(name) <= 100 and name.isprintable()
+            and amount.is_finite() and 0 < amount < 10**10 and amount == round(amount, 2)):
+        return name, amount
+    return JsonResponse({"error": "expected {\"account\": a name, \"amount\": a positive "
+                                  "amount with at most 2 decimals}"}, status=400)
 
 
 @idempotent  # scope, lease, wait: settings.PG_IDEMPOTENCY
@@ -63,7 +70,9 @@ def create_refund(request: HttpRequest) -> JsonResponse:
     if isinstance(parsed, JsonResponse):
         return parsed
     name, amount = parsed
-    account = Account.objects.select_for_update().get(name=name)
+    account = Account.objects.select_for_update().filter(name=name).first()
+    if account is None:
+        return JsonResponse({"error": f"no account {name!r}"}, status=404)  # stored too
     payment = record(account, -amount)
     transaction.on_commit(lambda: send_receipt(payment.pk))
     return JsonResponse({"id": payment.pk, "amount": str(-amount)}, status=201)
