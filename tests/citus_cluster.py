@@ -16,7 +16,9 @@ start with a message saying why, so the tests that need it fail.
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Mapping
+from pathlib import Path
 
 import psycopg
 from psycopg import sql
@@ -37,14 +39,32 @@ CITUS_SETTINGS: dict[str, object] = {
 }
 
 
+def _server_settings(bindir: Path) -> set[str]:
+    """The settings this server build knows (``postgres --describe-config``: no data
+    directory needed)."""
+    out = subprocess.run([str(bindir / "postgres"), "--describe-config"], check=True,
+                         capture_output=True, text=True).stdout
+    return {line.split("\t", 1)[0] for line in out.splitlines()}
+
+
+def _version_settings(bindir: Path) -> dict[str, object]:
+    """Settings only some server builds have. PostgreSQL 18.6 (the wheel's) lets logical
+    decoding use only the plugins of ``output_plugin_libraries`` ('pgoutput, test_decoding' by
+    default); Citus decodes with its own plugin for a logical shard move or split, which
+    failed with 'library "citus" may not be used as an output plugin' (docs/scale-out.md)."""
+    if "output_plugin_libraries" in _server_settings(bindir):
+        return {"output_plugin_libraries": "pgoutput, test_decoding, citus"}
+    return {}
+
+
 class CitusCluster:
     """``workers`` Citus workers plus a coordinator, each its own :class:`PgServer`."""
 
     def __init__(self, flavour: str, *, workers: int = 2,
                  extra_conf: Mapping[str, object] | None = None) -> None:
         self.flavour = flavour
-        conf = {**CITUS_SETTINGS, **(extra_conf or {})}
         bindir = flavour_bindir(flavour)
+        conf = {**CITUS_SETTINGS, **_version_settings(bindir), **(extra_conf or {})}
         self.coordinator = PgServer(bindir, extra_conf=conf, name=f"{flavour}-coord")
         self.workers = [PgServer(bindir, extra_conf=conf, name=f"{flavour}-worker{i + 1}")
                         for i in range(workers)]
