@@ -34,6 +34,7 @@ from conformance import langs, psqlrunner, pyrunner
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 from pg_idempotency import aio
 from pg_idempotency.errors import from_psycopg
+from pgharness import WAIT_BOUND, wait_until
 
 API = conf.load_api()
 FILES = conf.scenario_files()
@@ -136,7 +137,8 @@ def test_distribute_twice_changes_nothing_and_places_the_tables(citus: Cluster) 
             " AND o.distribution_argument_index IS NOT NULL").fetchall())
         assert delegated == dict.fromkeys(
             ["claim", "complete", "complete_bytes", "heartbeat", "checkpoint", "accept",
-             "release", "takeover", "inbox_accept"], True)
+             "release", "takeover", "inbox_accept", "heartbeat_outcome", "checkpoint_outcome",
+             "release_outcome"], True)
         # The routes have no per-partition branches: statements go to the scope's shard.
         src = conn.execute("SELECT prosrc FROM pg_proc WHERE proname = '_complete_row'"
                            " AND pronamespace = 'idempotency'::regnamespace").fetchone()[0]
@@ -144,7 +146,8 @@ def test_distribute_twice_changes_nothing_and_places_the_tables(citus: Cluster) 
     # Custom plans on every node for every function that runs per-key statements (see
     # _citus_custom_plans); the routes take their caller's.
     custom = {"claim", "complete", "complete_bytes", "heartbeat", "checkpoint", "accept",
-              "release", "takeover", "inbox_accept", "_resume_existing", "_lease_error",
+              "release", "takeover", "inbox_accept", "_resume_existing", "_lease_outcome",
+              "heartbeat_outcome", "checkpoint_outcome", "release_outcome",
               "key_status", "inspect_key", "force_release", "list_keys", "list_abandoned"}
     routes = {"_key_row", "_complete_row", "_heartbeat_row", "_checkpoint_row", "_accept_row",
               "_release_row", "_drop_released_row", "_resume_row"}
@@ -607,7 +610,7 @@ def test_asgi_middleware_through_the_coordinator(citus_cluster: Any) -> None:
     app = payments.create_app(c.dsn, processor, wait=20)
 
     async def fire(base: str) -> list[httpx.Response]:
-        async with httpx.AsyncClient(base_url=base, timeout=60,
+        async with httpx.AsyncClient(base_url=base, timeout=WAIT_BOUND,
                                      limits=httpx.Limits(max_connections=30)) as client:
             return await asyncio.gather(*(client.post(
                 "/payments", json={"amount": 70, "currency": "EUR"},
@@ -707,7 +710,9 @@ def test_shard_move_under_load_loses_and_duplicates_nothing(citus: Cluster, ledg
     threads = [threading.Thread(target=worker, args=(n,)) for n in range(6)]
     for t in threads:
         t.start()
-    time.sleep(1.0)
+    # Load on the shard before the move, and after it: counted completions, not seconds.
+    wait_until(lambda: len(done) >= 25 or not any(t.is_alive() for t in threads),
+               "25 completions before the move")
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
         shard, port = conn.execute(
             "SELECT shardid, nodeport FROM citus_shards WHERE table_name ="
@@ -719,12 +724,15 @@ def test_shard_move_under_load_loses_and_duplicates_nothing(citus: Cluster, ledg
                      " shard_transfer_mode => 'block_writes')", (shard, port, target))
         moved_to = conn.execute(
             "SELECT nodeport FROM citus_shards WHERE shardid = %s", (shard,)).fetchone()[0]
-    time.sleep(1.0)
+    after_move = len(done)
+    wait_until(lambda: len(done) >= after_move + 25 or not any(t.is_alive() for t in threads),
+               "25 completions after the move")
     stop.set()
     for t in threads:
-        t.join()
+        t.join(WAIT_BOUND)
+    assert not any(t.is_alive() for t in threads)
     assert moved_to == target
-    assert len(done) > 50, (len(done), errors_seen[:5])
+    assert len(done) >= after_move + 25 >= 50, (len(done), errors_seen[:5])
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
         rows = conn.execute(
             "SELECT k.key, k.state, (SELECT count(*) FROM ledger AS l WHERE l.account = k.scope"
