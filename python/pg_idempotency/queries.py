@@ -7,7 +7,8 @@ named placeholders; the values are always bound, never formatted into the text.
 Times and intervals are settings-proof both ways: psycopg sends datetime and timedelta values
 in binary (with client-side binding, as ISO 8601 text and in the form the session's
 IntervalStyle reads), and every timestamptz or interval result comes back as epoch seconds
-(:func:`_seconds`), so any DateStyle, IntervalStyle and TimeZone work.
+(:func:`_seconds`), or in binary (CLAIM_BINARY, TAKEOVER_BINARY: read raw by
+``core.claim_result_of``), so any DateStyle, IntervalStyle and TimeZone work.
 """
 
 from __future__ import annotations
