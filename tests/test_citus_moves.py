@@ -17,9 +17,9 @@ events not seconds):
 1. ``citus_move_shard_placement(..., shard_transfer_mode => 'block_writes')`` (run);
 2. the same shard group back with the default mode (``auto``: logical replication, which
    needs ``wal_level = logical`` and a replica identity on every co-located table: the ledger
-   gets REPLICA IDENTITY FULL, docs/scale-out.md) (written, not in PHASES yet: see there);
+   gets REPLICA IDENTITY FULL, docs/scale-out.md) (run);
 3. ``citus_split_shard_by_split_points`` of another shard group in two (default mode), one
-   half on each worker (likewise).
+   half on each worker (written, not in PHASES yet: see there).
 Then: every acknowledged payment has exactly one ledger row and its key is completed, no
 payment has two ledger rows, and the load saw no error but the retry advice's. Completions per
 second before, during and after each operation, for all tenants and for the tenants of the
@@ -56,11 +56,10 @@ RECOVERED = 20
 # on two shared cores. Unpaced, the clients saturate the nodes, and the logical replication
 # of the default-mode move and split never caught up (the split ran 15 minutes).
 RATE = 100.0
-# The operations run. Not yet here, and why (docs/scale-out.md, "Shard moves and splits"): the
-# default-mode ("auto", logical replication) move, where one run saw a complete() answer
-# IK001 for a key claimed during the move, and the split, whose logical catch-up did not end
-# under this load within pytest's 15-minute timeout (neither yet understood).
-PHASES = ("move block_writes",)
+# The operations run. Not yet the split (docs/scale-out.md): under unpaced load its logical
+# catch-up did not end within pytest's 15-minute timeout, and it was not tried paced. (One
+# unpaced run also saw a complete() answer IK001 during the auto move; paced runs did not.)
+PHASES = ("move block_writes", "move auto")
 
 
 @dataclass
