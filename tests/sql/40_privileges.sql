@@ -141,9 +141,9 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND has_function_privilege('idem_t40_request', p.oid, 'EXECUTE')
       ORDER BY 1$$,
-    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
-             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('inbox_accept'), ('release')$$,
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('checkpoint_outcome'), ('claim'),
+             ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('heartbeat_outcome'), ('inbox_accept'), ('release'), ('release_outcome')$$,
     'grant_usage(kind => request): claim, inbox_accept, the fenced calls and the pure helpers'
 );
 SELECT results_eq(
@@ -151,8 +151,9 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND has_function_privilege('idem_t40_completer', p.oid, 'EXECUTE')
       ORDER BY 1$$,
-    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('complete'), ('complete_bytes'),
-             ('derive_key'), ('fingerprint'), ('heartbeat'), ('list_abandoned'), ('release'),
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('checkpoint_outcome'),
+             ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('heartbeat_outcome'), ('list_abandoned'), ('release'), ('release_outcome'),
              ('takeover')$$,
     'grant_usage(kind => completer): takeover, list_abandoned, the fenced calls and the pure '
     || 'helpers'
@@ -185,9 +186,10 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND has_function_privilege('idem_t40_app', p.oid, 'EXECUTE')
       ORDER BY 1$$,
-    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
-             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('inbox_accept'), ('list_abandoned'), ('release'), ('takeover')$$,
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('checkpoint_outcome'), ('claim'),
+             ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('heartbeat_outcome'), ('inbox_accept'), ('list_abandoned'), ('release'),
+             ('release_outcome'), ('takeover')$$,
     'grant_usage: EXECUTE on the public functions only, no internal one'
 );
 SELECT is_empty(
@@ -566,7 +568,8 @@ SELECT is_empty(
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
                                          'DateStyle=ISO, YMD', 'TimeZone=UTC'])
         AND NOT (p.proname IN ('claim', '_resume_existing', 'heartbeat',
-                               'checkpoint', 'accept', 'release', 'takeover', '_lease_error')
+                               'checkpoint', 'accept', 'release', 'takeover', '_lease_outcome',
+                               'heartbeat_outcome', 'checkpoint_outcome', 'release_outcome')
                  AND p.proconfig = ARRAY['search_path=pg_catalog, pg_temp',
                                          'plan_cache_mode=force_generic_plan'])$$,
     'the pinned search_path is exactly pg_catalog, pg_temp (and DateStyle ISO, TimeZone UTC '
@@ -614,8 +617,9 @@ SELECT results_eq(
         ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
         ('_drop_released_row', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
-        ('_invalid_argument', 'v'), ('_key_hash', 'i'), ('_key_row', 'v'), ('_lease_error', 's'),
-        ('_lease_ok', 'i'), ('_maintain', 'v'), ('_make_partitions', 'v'),
+        ('_invalid_argument', 'v'), ('_keep_from', 's'), ('_key_hash', 'i'), ('_key_row', 'v'),
+        ('_lease_error', 's'),
+        ('_lease_ok', 'i'), ('_lease_outcome', 's'), ('_maintain', 'v'), ('_make_partitions', 'v'),
         ('_make_routes', 'v'), ('_mirror_completer_grants', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
@@ -623,13 +627,15 @@ SELECT results_eq(
         ('_require_coordinator', 's'), ('_require_pg_cron', 's'),
         ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_resume_row', 'v'), ('_route_branches', 'i'),
-        ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 'i'),
-        ('checkpoint', 'v'), ('claim', 'v'), ('complete', 'v'), ('complete_bytes', 'v'),
-        ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 'i'), ('force_release', 'v'),
-        ('grant_usage', 'v'), ('heartbeat', 'v'), ('inbox_accept', 'v'), ('inspect_key', 's'),
+        ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 's'),
+        ('checkpoint', 'v'), ('checkpoint_outcome', 'v'), ('claim', 'v'), ('complete', 'v'),
+        ('complete_bytes', 'v'),
+        ('derive_key', 'i'), ('distribute', 'v'), ('fingerprint', 's'), ('force_release', 'v'),
+        ('grant_usage', 'v'), ('heartbeat', 'v'), ('heartbeat_outcome', 'v'), ('inbox_accept', 'v'),
+        ('inspect_key', 's'),
         ('key_status', 'v'), ('list_abandoned', 'v'), ('list_keys', 's'), ('maintain', 'v'),
         ('metrics', 'v'), ('metrics_by_scope', 'v'), ('partition_status', 'v'), ('release', 'v'),
-        ('schedule_maintenance', 'v'),
+        ('release_outcome', 'v'), ('schedule_maintenance', 'v'),
         ('takeover', 'v'), ('unschedule_maintenance', 'v')$$,
     'every function has its intended volatility (pure: immutable; reads: stable; writes, '
     || 'locks or always raises: volatile)'
@@ -637,10 +643,10 @@ SELECT results_eq(
 SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
-    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('claim'), ('complete'),
-             ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('inbox_accept'), ('list_abandoned'), ('metrics'), ('metrics_by_scope'),
-             ('release'), ('takeover')$$,
+    $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('checkpoint_outcome'), ('claim'),
+             ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
+             ('heartbeat_outcome'), ('inbox_accept'), ('list_abandoned'), ('metrics'),
+             ('metrics_by_scope'), ('release'), ('release_outcome'), ('takeover')$$,
     'SECURITY DEFINER exactly on the lifecycle functions (and the three pure ones that call '
     || 'internal helpers)'
 );
