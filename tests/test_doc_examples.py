@@ -32,15 +32,15 @@ import psycopg
 import pytest
 from psycopg import sql
 
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
 VENV_BIN = Path(sys.executable).parent
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.M | re.S)
 # Far beyond need (seconds): an app starts in one or two on an idle machine, but make test
-# runs on busy ones.
-BOUND = 600
+# runs on busy ones. The harness's one bound for waits (IDEM_TEST_WAIT_BOUND).
+BOUND = WAIT_BOUND
 OWNER, APP, DB = "payments_owner", "payments_api", "payments"
 
 

@@ -12,7 +12,10 @@ adapter over real HTTP on real PostgreSQL.
 Each serves ``POST /pay`` (5xx not stored), ``POST /pay-store`` (``store_server_errors``) and
 ``POST /free`` (not a keyed route), with a 1 s lease and no wait. The handler's ``mode`` says
 what it does: write a ledger row and answer 201 with the exact bytes ``{"zeta":1,"a":2,...}``,
-raise before or after its write, answer 500, or stall. An outer wrapper, asked by the
+raise before or after its write, or answer 500; a request with ``X-Gate: <name>`` is held after
+its write until the test opens that gate (never a fixed delay: on a loaded machine a request
+can take longer than any delay, and a race decided by the clock goes the other way). An outer
+wrapper, asked by the
 ``X-Crash: after-commit`` header, loses the committed answer (502), as a worker that dies after
 its commit would. Then a retry storm with such crashes runs through the four apps and through
 the examples (docs/flask.md's app, the FastAPI and the Django payments examples): one ledger
@@ -86,29 +89,43 @@ class Plan:
             raise RuntimeError("failed before the write")
         return 0.0
 
-    def after_write(self) -> tuple[float, tuple[int, bytes, dict[str, str]] | None]:
-        """(seconds to stall, then the answer); raises for raise_after."""
+    def after_write(self) -> tuple[int, bytes, dict[str, str]]:
+        """The answer; raises for raise_after."""
         if self.mode == "raise_after":
             raise RuntimeError("failed after the write")
-        stall = {"slow": 0.8, "stall": 2.5}.get(self.mode, 0.0)
         if self.mode == "fail500":
-            return stall, (500, b'{"error":"down"}', {"Content-Type": "application/json"})
+            return 500, b'{"error":"down"}', {"Content-Type": "application/json"}
         # key order not sorted, no spaces: the replay must be these very bytes
         body = b'{"zeta":1,"a":2,"intent":"%s"}' % self.intent.encode()
-        return stall, (201, body, {"Content-Type": "application/json",
-                                   "Location": f"/pay/{self.intent}",
-                                   "X-Request-Id": uuid.uuid4().hex})
+        return 201, body, {"Content-Type": "application/json", "Location": f"/pay/{self.intent}",
+                           "X-Request-Id": uuid.uuid4().hex}
 
 
-def sync_handler(body: bytes, write: Callable[[str], None]) -> tuple[int, bytes, dict[str, str]]:
+# Gates that hold a request in its handler (after its write, before its answer) until the test
+# opens them; named by the request's X-Gate header (not its body: the body is fingerprinted).
+GATES: dict[str, threading.Event] = {}
+GATES_LOCK = threading.Lock()
+
+
+def gate(name: str) -> threading.Event:
+    with GATES_LOCK:
+        return GATES.setdefault(name, threading.Event())
+
+
+def pass_gate(name: str | None) -> None:
+    if name is not None and not gate(name).wait(WAIT_BOUND):
+        raise TimeoutError(f"gate {name} was not opened in {WAIT_BOUND} s")
+
+
+def sync_handler(body: bytes, write: Callable[[str], None], gate_name: str | None
+                 ) -> tuple[int, bytes, dict[str, str]]:
     plan = Plan.of(body)
     if plan.mode == "bare500":
         return 500, b"down", {"Content-Type": "text/plain"}
     plan.before_write()
     write(plan.intent)
-    stall, answer = plan.after_write()
-    time.sleep(stall)
-    assert answer is not None
+    answer = plan.after_write()
+    pass_gate(gate_name)
     return answer
 
 
@@ -128,10 +145,9 @@ def asgi_app(dsn: str) -> Any:
         else:
             async with pool.connection() as conn:
                 await conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (plan.intent,))
-        stall, answer = plan.after_write()
-        await asyncio.sleep(stall)
-        assert answer is not None
-        status, content, headers = answer
+        status, content, headers = plan.after_write()
+        if (name := request.headers.get("x-gate")) is not None:
+            await asyncio.to_thread(pass_gate, name)
         return Response(content, status_code=status, headers=headers)
 
     inner = Starlette(routes=[Route(p, pay, methods=["POST"])
@@ -172,7 +188,7 @@ def _django_answer(request: HttpRequest) -> HttpResponse:
         with connections["default"].cursor() as cursor:
             cursor.execute("INSERT INTO ledger (intent) VALUES (%s)", [intent])
 
-    status, content, headers = sync_handler(request.body, write)
+    status, content, headers = sync_handler(request.body, write, request.headers.get("X-Gate"))
     response = HttpResponse(content, status=status, content_type=headers.pop("Content-Type"))
     for name, value in headers.items():
         response[name] = value
@@ -198,7 +214,8 @@ def flask_app(pool: ConnectionPool, *, middleware: bool) -> flask.Flask:
                 with pool.connection() as conn:
                     conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (intent,))
 
-        status, content, headers = sync_handler(flask.request.get_data(), write)
+        status, content, headers = sync_handler(flask.request.get_data(), write,
+                                                flask.request.headers.get("X-Gate"))
         return flask.Response(content, status=status, headers=headers)
 
     if middleware:
@@ -293,10 +310,12 @@ def served(request: pytest.FixtureRequest, db: str) -> Iterator[tuple[str, str]]
 # -- the case table ---------------------------------------------------------------------------
 
 def pay(base: str, key: str | None, intent: str, mode: str = "ok", path: str = "/pay",
-        crash: bool = False, query: str = "") -> httpx.Response:
+        crash: bool = False, query: str = "", gate: str | None = None) -> httpx.Response:
     headers = {"Content-Type": "application/json"}
     if key is not None:
         headers["Idempotency-Key"] = key
+    if gate is not None:
+        headers["X-Gate"] = gate
     if crash:
         headers["X-Crash"] = "after-commit"
     return httpx.post(f"{base}{path}{query}", timeout=WAIT_BOUND, headers=headers,
@@ -326,6 +345,49 @@ def key_state(dsn: str, key: str) -> str | None:
 
 def until_claimed(dsn: str, key: str) -> None:
     wait_until(lambda: key_state(dsn, key) == "in_progress", f"{key} to be claimed")
+
+
+def lease_of(dsn: str, key: str) -> tuple[int, bool]:
+    """The key's lease token, and whether its lease has run out (by the server's clock, the
+    one claim uses to decide a takeover)."""
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT lease_token, lease_expires_at < clock_timestamp()"
+                           " FROM idempotency.keys WHERE key = %s", (key,)).fetchone()
+    assert row is not None, key
+    return row[0], row[1]
+
+
+def hold_lease(dsn: str, key: str) -> None:
+    """Extend the lease of the attempt that holds ``key`` (scope acct) to 10 minutes, as its
+    own heartbeat would: with the apps' 1 s lease, a loaded machine could otherwise let it run
+    out before the test's next request, which would take the key over instead of waiting."""
+    token, _ = lease_of(dsn, key)
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SELECT idempotency.heartbeat('acct', %s, %s, '10 minutes')", (key, token))
+
+
+def race_takeover(base: str, dsn: str, key: str, intent: str
+                  ) -> tuple[httpx.Response, httpx.Response]:
+    """A first attempt is held in its handler past its lease; a retry takes the key over and is
+    held too; then the first is let go (its complete() must be fenced off, its write rolled
+    back), then the taker. Returns (taker's answer, the stale attempt's answer). Each step
+    waits for its event (claimed, lease run out, taken over), never for a fixed time."""
+    stale_gate, taker_gate = uuid.uuid4().hex, uuid.uuid4().hex
+    with ThreadPoolExecutor(2) as pool:
+        try:
+            stale = pool.submit(pay, base, key, intent, gate=stale_gate)
+            until_claimed(dsn, key)
+            token, _ = lease_of(dsn, key)
+            wait_until(lambda: lease_of(dsn, key)[1], f"{key}'s lease to run out")
+            taker = pool.submit(pay, base, key, intent, gate=taker_gate)
+            wait_until(lambda: lease_of(dsn, key)[0] != token, f"{key} to be taken over")
+            gate(stale_gate).set()
+            late = stale.result(WAIT_BOUND)
+            gate(taker_gate).set()
+            return taker.result(WAIT_BOUND), late
+        finally:  # a failed step must not leave a request held (the pool waits for it)
+            gate(stale_gate).set()
+            gate(taker_gate).set()
 
 
 def fresh(r: httpx.Response, status: int = 201) -> None:
@@ -366,15 +428,21 @@ def case_missing_key_400_and_unlisted_route_not_keyed(base: str, dsn: str) -> No
 
 
 def case_in_progress_409_with_retry_after(base: str, dsn: str) -> None:
+    held = uuid.uuid4().hex
     with ThreadPoolExecutor(1) as pool:
-        slow = pool.submit(pay, base, "k", "i", "slow")
-        until_claimed(dsn, "k")
-        busy = pay(base, "k", "i", "slow")
-        first = slow.result()
+        try:
+            slow = pool.submit(pay, base, "k", "i", gate=held)
+            until_claimed(dsn, "k")
+            hold_lease(dsn, "k")
+            busy = pay(base, "k", "i")
+        finally:
+            gate(held).set()
+        first = slow.result(WAIT_BOUND)
     problem(busy, 409)
-    assert busy.headers["retry-after"] == "1"  # the lease left (under 1 s), at least 1
+    # the lease left (10 minutes), capped at the default retry_after_max of 2 s
+    assert busy.headers["retry-after"] == "2"
     fresh(first)
-    replayed(pay(base, "k", "i", "slow"), first)
+    replayed(pay(base, "k", "i"), first)
     assert ledger(dsn, "i") == 1
 
 
@@ -449,16 +517,11 @@ def case_crash_after_commit_then_replay(base: str, dsn: str) -> None:
 
 
 def case_takeover_refuses_the_stale_attempt(base: str, dsn: str) -> None:
-    with ThreadPoolExecutor(1) as pool:
-        stale = pool.submit(pay, base, "k", "i", "stall")  # 2.5 s past its 1 s lease
-        until_claimed(dsn, "k")
-        time.sleep(LEASE + 0.3)
-        taker = pay(base, "k", "i", "stall")  # takes the key over, stalls too, completes
-        late = stale.result()
+    taker, late = race_takeover(base, dsn, "k", "i")
     fresh(taker)
     problem(late, 409)  # its complete() was fenced off; its write rolled back
     assert ledger(dsn, "i") == 1
-    replayed(pay(base, "k", "i", "stall"), taker)
+    replayed(pay(base, "k", "i"), taker)
 
 
 CASES = {name.removeprefix("case_"): fn for name, fn in list(globals().items())

@@ -29,7 +29,7 @@ from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from conftest import login_roles
-from pgharness import PgServer
+from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
 MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
@@ -56,7 +56,7 @@ def _env() -> dict[str, str]:
 def pg_dump(server: PgServer, dsn: str, *args: str) -> str:
     """Run the server's own pg_dump (same major version as the server)."""
     proc = subprocess.run([str(server.bindir / "pg_dump"), *args, "-d", dsn],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+                          capture_output=True, text=True, env=_env(), timeout=WAIT_BOUND)
     assert proc.returncode == 0, f"pg_dump failed:\n{proc.stderr}"
     return proc.stdout
 
@@ -670,7 +670,7 @@ def test_hostile_search_path_for_concurrent_claims(server: PgServer, db: str) ->
     still produce one row and one claimed per key."""
     server.run_psql(db, HOSTILE_SQL)
     n, keys = 16, [f"h{i}" for i in range(20)]
-    barrier = threading.Barrier(n, timeout=600)  # far beyond need: the machine may be loaded
+    barrier = threading.Barrier(n, timeout=WAIT_BOUND)  # far beyond need: the machine may be busy
     outcomes: list[tuple[str, str]] = []
     errors: list[BaseException] = []
 
@@ -689,8 +689,9 @@ def test_hostile_search_path_for_concurrent_claims(server: PgServer, db: str) ->
     for t in threads:
         t.start()
     for t in threads:
-        t.join(600)
-    assert not [t for t in threads if t.is_alive()], "a session still claiming after 600 s"
+        t.join(WAIT_BOUND)
+    assert not [t for t in threads if t.is_alive()], \
+        f"a session still claiming after {WAIT_BOUND} s"
     assert not errors, errors[0]
     claimed = sorted(k for k, o in outcomes if o == "claimed")
     assert claimed == sorted(keys)

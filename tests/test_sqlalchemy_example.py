@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse
 
 from payments_helpers import ROOT, lifespan, uvicorn_server
 from pg_idempotency.asgi import get_operation
-from pgharness import WAIT_BOUND
+from pgharness import WAIT_BOUND, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -59,6 +59,13 @@ def key_rows(dsn: str, key: str) -> list[tuple[str, int]]:
     with psycopg.connect(dsn) as conn:
         return [(r[0], r[1]) for r in conn.execute(
             "SELECT state, lease_token FROM idempotency.keys WHERE key = %s", (key,))]
+
+
+def lease_ran_out(dsn: str, key: str) -> bool:
+    with psycopg.connect(dsn) as conn:
+        row = conn.execute("SELECT lease_expires_at < clock_timestamp() FROM idempotency.keys"
+                           " WHERE key = %s AND state = 'in_progress'", (key,)).fetchone()
+    return bool(row and row[0])
 
 
 def released_token(dsn: str, key: str) -> int:
@@ -111,11 +118,16 @@ async def test_crash_after_the_sessions_commit_then_retry(db: str) -> None:
 async def test_lease_takeover_gives_one_row(db: str) -> None:
     app = example.create_app(db, wait=0, lease=0.5)
     async with lifespan(app), asgi_client(app) as client:
-        app.state.faults["delay"] = 1.5
+        held = asyncio.Event()
+        app.state.faults["hold"] = held
         slow = asyncio.ensure_future(pay(client, "k-lease", {"amount": 5}))
-        await asyncio.sleep(0.9)  # the slow one wrote its row, then outlived its lease
-        assert "delay" not in app.state.faults  # and the slow one did take the fault
-        retry = await pay(client, "k-lease", {"amount": 5})
+        try:
+            # the slow one wrote its row and waits; its lease runs out (the server's clock)
+            await asyncio.to_thread(wait_until, lambda: "hold" not in app.state.faults
+                                    and lease_ran_out(db, "k-lease"), "the lease to run out")
+            retry = await pay(client, "k-lease", {"amount": 5})
+        finally:
+            held.set()
         first = await slow
         assert retry.status_code == 201, retry.text
         assert first.status_code == 409, first.text  # fenced off at complete(): rolled back

@@ -13,10 +13,8 @@ import os
 import subprocess
 import sys
 import textwrap
-import time
 from collections import Counter
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
@@ -229,7 +227,7 @@ def test_every_http_adapter_gets_the_same_spans_and_log_lines(
     (test_logging.py's shape), the same behind every adapter: only the reason of a release
     after a 5xx that is not stored differs (Django calls release() itself: reason=release; the
     others leave operation()'s block with the error: reason=exception)."""
-    from test_http_adapters import LEASE, pay, serve, until_claimed
+    from test_http_adapters import pay, race_takeover, serve
 
     caplog.set_level(logging.INFO, logger="pg_idempotency")
     with serve(adapter, db) as base:
@@ -239,12 +237,8 @@ def test_every_http_adapter_gets_the_same_spans_and_log_lines(
         assert pay(base, KEY, "other").status_code == 422
         assert pay(base, "k500", BODY, "fail500").status_code == 500  # not stored: released
         assert pay(base, None, BODY).status_code == 400  # no key: no claim, no span
-        with ThreadPoolExecutor(1) as pool:
-            stale = pool.submit(pay, base, "k-stale", BODY, "stall")  # 2.5 s past its lease
-            until_claimed(db, "k-stale")
-            time.sleep(LEASE + 0.3)
-            taker = pay(base, "k-stale", BODY, "stall")  # takes over, stalls, completes
-            late = stale.result()
+        # held past its lease, taken over, let go first (fenced off), then the taker
+        taker, late = race_takeover(base, db, "k-stale", BODY)
         assert taker.status_code == 201 and late.status_code == 409
     got = spans()
     assert summary(got[:6]) == [

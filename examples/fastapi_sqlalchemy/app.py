@@ -18,7 +18,8 @@ after ``session.commit()`` rolls the row back and releases the key; a lease take
 the slow attempt off. Reads elsewhere use the app's usual engine and sessions.
 
 ``app.state.faults`` lets the tests inject failures, each once: ``"crash_after_commit"`` (raise
-after the session's commit) and ``"delay"`` (seconds to sleep after it, to outlive a lease).
+after the session's commit), ``"delay"`` (seconds to sleep after it) and ``"hold"`` (an
+``asyncio.Event`` to wait for after it, so a test can make the request outlive its lease).
 """
 
 from __future__ import annotations
@@ -106,6 +107,8 @@ def create_app(dsn: str, *, wait: float = 10.0, lease: float = 30.0, pool_size: 
         session.add(entry)
         await session.commit()  # a savepoint: the row commits with the stored response
         await asyncio.sleep(delay)
+        if (hold := faults.pop("hold", None)) is not None:
+            await hold.wait()
         if crash:
             raise RuntimeError("crash after the session's commit")
         return JSONResponse({"id": entry.id, "amount": entry.amount, "currency": entry.currency},
