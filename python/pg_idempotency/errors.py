@@ -28,7 +28,7 @@ psycopg raised them.
     ├── KeyExpired                outcome expired (no SQLSTATE: claim returns it)
     ├── PgCronNotInstalled        IK020
     ├── CitusNotInstalled         IK021 (idempotency.distribute() without Citus)
-    ├── CitusNotCoordinator       IK022 (idempotency.distribute() on a Citus worker)
+    ├── CitusNotCoordinator       IK022 (a coordinator-only function on a Citus worker)
     ├── ScopeNotGranted           IK023 (takeover / list_abandoned by a completer limited to
     │                             other scopes)
     ├── DatabaseUnavailable       the database cannot be reached: SQLSTATE class 08, 57P01..57P03,
@@ -210,7 +210,9 @@ class CitusNotInstalled(IdempotencyError):
 
 
 class CitusNotCoordinator(IdempotencyError):
-    """IK022: idempotency.distribute() on a Citus worker instead of the coordinator."""
+    """IK022: a coordinator-only function (distribute, maintain, schedule_maintenance,
+    unschedule_maintenance, metrics, metrics_by_scope, key_status, partition_status,
+    grant_usage) called on a Citus worker instead of the coordinator (docs/errors.md)."""
 
     sqlstate = "IK022"
 
