@@ -10,10 +10,12 @@ CREATE TYPE idempotency.partition_status AS (
     -- pg_total_relation_size: table, indexes and TOAST.
     total_bytes bigint,
     -- When the first maintain() at or after this time drops it; NULL: never (the default
-    -- partition, the newest one, or partitions maintain() does not manage).
+    -- partition, the newest one, one kept past its window, or partitions maintain() does not
+    -- manage).
     drop_after timestamptz,
-    -- default | newest | ahead | current | due (the next maintain() drops it) | retained |
-    -- managed elsewhere
+    -- default | newest | kept (past its window, but it holds the newest rows or comes after
+    -- the partition that does) | ahead | current | due (the next maintain() drops it) |
+    -- retained | managed elsewhere
     note text
 );
 
