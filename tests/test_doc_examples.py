@@ -1,4 +1,5 @@
-"""The examples of docs/flask.md, docs/django.md and docs/sqlalchemy.md, run as written.
+"""The examples of README.md, docs/flask.md, docs/django.md and docs/sqlalchemy.md, run as
+written.
 
 Each test takes the code and command blocks from the page itself and follows it as a new user
 would, on a real server: the schema's owner (``payments_owner``, owner of the database
@@ -422,4 +423,53 @@ def test_other_languages_psql_as_the_application_role(payments: PgServer,
     out = sh(run.format("payment.psql"), tmp_path, env).splitlines()
     assert out == ["claim: claimed", "completed: 201 /charges/1",
                    'retry: replay 201 {"id": 1, "amount": 50}', "other request: mismatch"], out
+    assert_least_privilege(server)
+
+
+def readme_block(lang: str) -> str:
+    """The one fenced block of README.md in language ``lang``."""
+    found = [m.group(2) for m in FENCE.finditer((ROOT / "README.md").read_text())
+             if m.group(1) == lang]
+    assert len(found) == 1, f"README.md: {len(found)} ```{lang} blocks"
+    return found[0]
+
+
+@pytest.mark.parametrize("server", ["pg18"], indirect=True)
+def test_readme_patterns_as_the_application_role(payments: PgServer, tmp_path: Path) -> None:
+    """README.md's two patterns as written, as install.md's application role, on the table the
+    psql block's comment tells the owner to make: the Python one's pay() pays once and replays
+    the second time; then (the key removed by the owner) the psql block, run by psql, books
+    one row and completes the key with the claim's own lease_token."""
+    server = payments
+    env = shell_env(server)
+    sh(f"pg-idempotency migrate --dsn 'postgresql://{OWNER}@localhost/{DB}'", tmp_path, env)
+    query_autocommit(server, f"CREATE ROLE {APP} LOGIN")
+    query_autocommit(server, f"SELECT idempotency.grant_usage('{APP}')")
+    pattern = readme_block("sql")
+    owner_lines = [line.removeprefix("--   ").split("--")[0]
+                   for line in pattern.splitlines() if line.startswith("--   ")]
+    assert [line.split()[0] for line in owner_lines] == ["CREATE", "GRANT"], owner_lines
+    for statement in owner_lines:
+        query_autocommit(server, statement)
+
+    namespace: dict[str, object] = {}
+    exec(compile(readme_block("python"), "README.md", "exec"), namespace)  # noqa: S102
+    pay = namespace["pay"]
+    assert callable(pay)
+    with psycopg.connect(server.dsn(DB, user=APP), autocommit=True) as conn:
+        assert pay(conn) == (201, {"id": "ch_1"})
+        assert pay(conn) == (201, {"id": "ch_1"})  # the stored answer: no second row
+    assert query(server, "SELECT account, amount FROM ledger") == [("acct_42", 50)]
+
+    for statement in ("DELETE FROM idempotency.keys WHERE scope = 'acct_42'",
+                      "DELETE FROM idempotency.key_directory WHERE scope = 'acct_42'",
+                      "DELETE FROM ledger"):
+        query_autocommit(server, statement)
+    (tmp_path / "pattern.sql").write_text(pattern)
+    sh(f"psql -X -q -v ON_ERROR_STOP=1 -f pattern.sql 'postgresql://{APP}@localhost/{DB}'",
+       tmp_path, env)
+    assert query(server, "SELECT account, amount FROM ledger") == [("acct_42", 50)]
+    assert query(server, "SELECT state, response_status, response_headers->>'Location'"
+                         " FROM idempotency.keys WHERE scope = 'acct_42'") == [
+        ("completed", 201, "/charges/ch_1")]
     assert_least_privilege(server)
