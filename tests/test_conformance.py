@@ -47,11 +47,7 @@ def conformance_dsn(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
 def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], str]:
     proc = subprocess.run([*conf.node_command(), dsn, *map(str, files)], capture_output=True,
                           text=True, timeout=WAIT_BOUND, cwd=conf.NODE_DIR)
-    results = {}
-    for line in proc.stdout.splitlines():
-        record = json.loads(line)
-        results[record["name"]] = record["failures"]
-    return proc.returncode, results, proc.stderr
+    return proc.returncode, langs.read_results(proc.stdout, files), proc.stderr
 
 
 @pytest.fixture(scope="session")
@@ -119,6 +115,8 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
     assert {o for c, o in outcomes if c == "claim"} == {
         "claimed", "resumed", "replay", "in_progress", "mismatch", "expired"}
     assert {o for c, o in outcomes if c == "takeover"} == {"resumed", "replay", "in_progress"}
+    for fn in ("heartbeat_outcome", "checkpoint_outcome", "release_outcome"):
+        assert {o for c, o in outcomes if c == fn} == {"ok", "lease_lost", "completed"}, fn
     documented = _documented_codes()
     assert len(documented) == 18, documented
     # IK021 (distribute() without Citus) and IK022 (distribute() on a Citus worker) belong to the
@@ -236,6 +234,18 @@ MUTATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
     "abandoned list": ("takeover_and_list_abandoned", lambda sc: _step(
         sc, lambda s: s.get("call") == "list_abandoned" and s["expect"]["rows"])[
         "expect"]["rows"][0].update(lease_expires_at=6)),
+    "lease outcome": ("lease_outcomes", lambda sc: _step(
+        sc, lambda s: s.get("call") == "release_outcome" and _outcome(s, "lease_lost"))[
+        "expect"].update(outcome="ok")),
+    "completed outcome": ("lease_outcomes", lambda sc: _step(
+        sc, lambda s: s.get("call") == "checkpoint_outcome" and _outcome(s, "completed"))[
+        "expect"].update(outcome="lease_lost")),
+    "outcome expiry": ("lease_outcomes", lambda sc: _step(
+        sc, lambda s: s.get("call") == "heartbeat_outcome" and _outcome(s, "ok"))[
+        "expect"].update(lease_expires_at=23)),
+    "outcome error column": ("lease_outcomes", lambda sc: _step(
+        sc, lambda s: s.get("call") == "checkpoint_outcome" and "error" in s)[
+        "error"].update(column="lease_token")),
 }
 
 
@@ -260,3 +270,42 @@ def test_one_changed_expectation_fails_all_six(
     for lang in langs.LANGS:
         code, results, stderr = langs.run_runner(lang, conformance_dsn, [path])
         assert code == 1 and results.get(name), f"{lang} runner passed ({code}):\n{stderr}"
+
+
+# -- a runner that skips a step fails -------------------------------------------------------
+
+@pytest.mark.parametrize("server", ["pg18"], indirect=True)
+def test_a_runner_that_skips_a_step_fails(server: PgServer, conformance_dsn: str,
+                                          tmp_path: Path) -> None:
+    """Every runner reports the steps it ran and the checks it made, exactly; the tests compare
+    them with the scenario's, so a runner that leaves a step out (a function or a result it
+    does not know) fails instead of passing on what it did check. Here each runner runs
+    lease_outcomes without its last step: all it checks passes, its counts are those of the
+    shorter scenario, and read against the whole scenario it fails."""
+    full_path = conf.SCENARIO_DIR / "lease_outcomes.json"
+    full = conf.load_scenario(full_path)
+    short = {**full, "steps": full["steps"][:-1]}
+    assert conf.step_checks(full["steps"][-1]) > 0
+    path = tmp_path / full_path.name
+    path.write_text(json.dumps(short, ensure_ascii=False), encoding="utf-8")
+    missing = conf.count_failures(full, *conf.expected_counts(short))
+    assert missing, "the last step adds nothing to count"
+
+    failures, steps, checks = pyrunner.run(conformance_dsn, short, API)
+    assert failures == [] and (steps, checks) == conf.expected_counts(short)
+    assert pyrunner.run_scenario(conformance_dsn, short, API) == []
+
+    script, generated = psqlrunner.generate(short, API)
+    proc = server.run_psql(conformance_dsn, script, args=psqlrunner.PSQL_ARGS, check=False)
+    assert psqlrunner.check_output(short, generated, proc.stdout, proc.stderr) == []
+    assert psqlrunner.check_output(full, generated, proc.stdout, proc.stderr) == missing
+
+    commands = {"node": conf.node_command(),
+                **{lang: [*langs.runner_command(lang), str(conf.API_FILE)]
+                   for lang in langs.LANGS}}
+    for lang, command in commands.items():
+        proc = subprocess.run([*command, conformance_dsn, str(path)], capture_output=True,
+                              text=True, timeout=WAIT_BOUND, cwd=conf.NODE_DIR)
+        assert proc.returncode == 0, f"{lang}: {proc.stdout}{proc.stderr}"
+        assert langs.read_results(proc.stdout, [path]) == {"lease_outcomes": []}, lang
+        assert langs.read_results(proc.stdout, [full_path]) == {"lease_outcomes": missing}, lang

@@ -283,6 +283,36 @@ def matcher_checks(matcher: Any) -> list[tuple[str, Any]]:
     return checks
 
 
+def step_checks(step: dict[str, Any]) -> int:
+    """How many comparisons a runner makes for ``step`` when it passes: an error's SQLSTATE and
+    its COLUMN (when expected), a query's or a set's rows as one, and every check of
+    matcher_checks() for each expected column."""
+    if "error" in step:
+        return 1 + ("column" in step["error"])
+    expect = step.get("expect")
+    if expect is None:
+        return 0
+    if "sql" in step or set(expect) == {"rows"}:
+        return 1
+    return sum(len(matcher_checks(m)) for m in expect.values())
+
+
+def expected_counts(scenario: dict[str, Any]) -> tuple[int, int]:
+    """(steps, checks) that a runner reports after running ``scenario`` to its end."""
+    return len(scenario["steps"]), sum(step_checks(s) for s in scenario["steps"])
+
+
+def count_failures(scenario: dict[str, Any], steps: Any, checks: Any) -> list[str]:
+    """A failure unless a runner ran every step of ``scenario`` and made every comparison:
+    a runner that skips a step or a check it does not understand fails, it does not pass.
+    ``steps`` and ``checks`` are what the runner reported (None: it reported nothing)."""
+    want_steps, want_checks = expected_counts(scenario)
+    if (steps, checks) == (want_steps, want_checks):
+        return []
+    return [f"the runner ran {steps} steps and made {checks} checks, "
+            f"expected {want_steps} steps and {want_checks} checks"]
+
+
 def json_equal(a: Any, b: Any) -> bool:
     """JSON equality as jsonb has it: numbers by value, booleans distinct from numbers."""
     if isinstance(a, bool) or isinstance(b, bool):

@@ -4,6 +4,8 @@ Compiled artefacts are cached under build/conformance/, in a directory named aft
 the sources, so a second ``make test`` with unchanged sources compiles nothing. Every runner
 is started as ``COMMAND FUNCTIONS.json DSN SCENARIO.json...`` and prints what node/run.mjs
 prints: one JSON line a scenario, exit 0 / 1 (a scenario failed) / 2 (usage, connection).
+read_results() turns those lines into failures by scenario, adding one where a runner ran
+fewer steps or made fewer checks than the scenario has.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from conformance import API_FILE, HERE
+from conformance import API_FILE, HERE, count_failures, load_scenario
 from pgharness import WAIT_BOUND
 
 ROOT = HERE.parent.parent
@@ -114,13 +116,25 @@ def runner_command(lang: str) -> list[str]:
     raise ValueError(lang)
 
 
+def read_results(stdout: str, files: list[Path]) -> dict[str, list[str]]:
+    """A runner's output lines as failures by scenario name. Each line's steps and checks are
+    compared with the scenario's own (conformance.count_failures): a runner that skipped a
+    step or a check fails even when all it did check passed."""
+    scenarios = {s["name"]: s for s in map(load_scenario, files)}
+    results = {}
+    for line in stdout.splitlines():
+        record = json.loads(line)
+        name = record["name"]
+        results[name] = record["failures"]
+        if name in scenarios:
+            results[name] = results[name] + count_failures(
+                scenarios[name], record.get("steps"), record.get("checks"))
+    return results
+
+
 def run_runner(lang: str, dsn: str, files: list[Path],
                timeout: float = WAIT_BOUND) -> tuple[int, dict[str, list[str]], str]:
     """Run one runner over ``files``: (exit code, failures by scenario name, stderr)."""
     proc = subprocess.run([*runner_command(lang), str(API_FILE), dsn, *map(str, files)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
-    results = {}
-    for line in proc.stdout.splitlines():
-        record = json.loads(line)
-        results[record["name"]] = record["failures"]
-    return proc.returncode, results, proc.stderr
+    return proc.returncode, read_results(proc.stdout, files), proc.stderr

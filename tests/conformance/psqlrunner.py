@@ -17,7 +17,7 @@ import json
 import re
 from typing import Any
 
-from conformance import TX_END, TX_START, build_call, matcher_checks
+from conformance import TX_END, TX_START, build_call, count_failures, matcher_checks
 
 NULL = "<NULL>"
 PSQL_ARGS = ("-X", "-q", "-A", "-t")
@@ -185,6 +185,7 @@ def check_output(scenario: dict[str, Any], expected_checks: int, stdout: str,
                  stderr: str) -> list[str]:
     failures = [line for line in stdout.splitlines() if line.startswith("not ok")]
     oks = sum(1 for line in stdout.splitlines() if line.startswith("ok"))
+    made = oks + len(failures)
     if "@@end" not in stdout:
         failures.append("the script did not run to its end")
     if oks != expected_checks and not failures:
@@ -200,9 +201,12 @@ def check_output(scenario: dict[str, Any], expected_checks: int, stdout: str,
             continue
         found = re.findall(r"^COLUMN NAME:\s+(.*)$", segments.get(i, ""), re.M)
         got = found[0] if found else None
+        made += 1 if i in segments else 0
         if got != err["column"]:
             failures.append(f"step {i}: error COLUMN {got!r}, expected {err['column']!r}")
-    return failures
+    # Every step printed its marker, and every check its line: compared with what the scenario
+    # asks for, not with what generate() wrote, so that a step it left out fails.
+    return failures + count_failures(scenario, len(segments), made)
 
 
 

@@ -1,6 +1,7 @@
 """Runner 1: Python with plain psycopg (no pg_idempotency code), one connection a session.
 
     run_scenario(dsn, scenario, api) -> list of failures (empty: the scenario passed)
+    run(dsn, scenario, api) -> (failures, steps run, checks made), as the other runners print
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from typing import Any
 
 import psycopg
 
-from conformance import build_call, json_equal, matcher_checks
+from conformance import build_call, count_failures, json_equal, matcher_checks
 
 
 def _sql(text: str, t0: str, nparams: int) -> str:
@@ -41,8 +42,10 @@ def _num(kind: str, value: Any) -> Any:
 
 
 def check_value(where: str, kind: str, matcher: Any, got: Any,
-                captures: dict[str, Any], failures: list[str]) -> None:
-    for op, operand in matcher_checks(matcher):
+                captures: dict[str, Any], failures: list[str]) -> int:
+    """Apply ``matcher`` to ``got``; the number of checks made."""
+    checks = matcher_checks(matcher)
+    for op, operand in checks:
         if op == "is_null":
             ok = got is None
         elif op == "not_null":
@@ -56,10 +59,18 @@ def check_value(where: str, kind: str, matcher: Any, got: Any,
             failures.append(f"{where}: got {got!r}, expected {op} {operand!r}")
     if isinstance(matcher, dict) and "$capture" in matcher:
         captures[matcher["$capture"]] = got
+    return len(checks)
 
 
 def run_scenario(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> list[str]:
+    """The failures, and one more unless every step ran and every check was made."""
+    failures, steps, checks = run(dsn, scenario, api)
+    return failures + count_failures(scenario, steps, checks)
+
+
+def run(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> tuple[list[str], int, int]:
     failures: list[str] = []
+    steps = checks = 0
     captures: dict[str, Any] = {}
     conns: dict[str, psycopg.Connection] = {}
     clock = scenario.get("clock", "virtual")
@@ -89,6 +100,7 @@ def run_scenario(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> lis
                 sql = _sql(call.sql, t0, len(call.params))
                 params = {f"p{n}": v for n, v in enumerate(call.params)}
                 columns, shape = call.columns, call.shape
+            steps += 1
             try:
                 cur = conn.execute(sql, params)
                 rows = cur.fetchall() if cur.description else []
@@ -97,6 +109,7 @@ def run_scenario(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> lis
                 if err is None:
                     failures.append(f"{where}: unexpected error {exc.sqlstate}: {exc}")
                     continue
+                checks += 1 + ("column" in err)
                 if exc.sqlstate != err["sqlstate"]:
                     failures.append(f"{where}: SQLSTATE {exc.sqlstate}, expected "
                                     f"{err['sqlstate']}: {exc}")
@@ -114,11 +127,13 @@ def run_scenario(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> lis
             names = [c for c, _ in columns]
             kinds = dict(columns)
             if "sql" in step:
+                checks += 1
                 got_rows = rows[0][0]
                 if not json_equal(got_rows, expect["rows"]):
                     failures.append(f"{where}: rows {got_rows!r}, expected {expect['rows']!r}")
                 continue
             if shape == "rows":
+                checks += 1
                 want_rows = expect["rows"]
                 keys = list(want_rows[0]) if want_rows else []
                 got_rows = [{k: _num(kinds[k], dict(zip(names, r, strict=True))[k])
@@ -131,9 +146,9 @@ def run_scenario(dsn: str, scenario: dict[str, Any], api: dict[str, Any]) -> lis
                 continue
             record = dict(zip(names, rows[0], strict=True))
             for col, matcher in expect.items():
-                check_value(f"{where} {col}", kinds[col], matcher, record[col], captures,
-                            failures)
+                checks += check_value(f"{where} {col}", kinds[col], matcher, record[col],
+                                      captures, failures)
     finally:
         for conn in conns.values():
             conn.close()
-    return failures
+    return failures, steps, checks

@@ -4,8 +4,10 @@
 //
 //	run FUNCTIONS.json DSN SCENARIO.json...
 //
-// Prints one JSON line a scenario: {"file", "name", "failures": [...]}; exits 0 when every
-// scenario passed, 1 when one failed, 2 on a usage or connection error. Arguments are bound
+// Prints one JSON line a scenario: {"file", "name", "failures": [...], "steps", "checks"} (the
+// steps it ran and the comparisons it made, which the tests compare with the scenario's, so
+// that a skipped step or check fails); exits 0 when every scenario passed, 1 when one failed,
+// 2 on a usage or connection error. Arguments are bound
 // and results read as functions.json says, the same way as the other runners
 // (tests/conformance/README.md). Built offline: GO111MODULE=off GOPATH=/usr/share/gocode.
 package main
@@ -310,8 +312,15 @@ func show(v any) string { return encode(v) }
 
 type session struct{ conn *sql.Conn }
 
-func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]string, error) {
+// outcome: what runScenario found, and how much of the scenario it ran.
+type outcome struct {
+	failures      []string
+	steps, checks int
+}
+
+func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) (outcome, error) {
 	failures := []string{}
+	steps, checks := 0, 0
 	captures := map[string]any{} // as compared
 	refs := map[string]any{}     // as the database wrote them, for {"$ref": …}
 	clock, _ := scenario["clock"].(string)
@@ -320,19 +329,19 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 	}
 	admin, err := db.Conn(ctx)
 	if err != nil {
-		return nil, err
+		return outcome{}, err
 	}
 	for _, statement := range api.Reset {
 		if _, err := admin.ExecContext(ctx, statement); err != nil {
 			admin.Close()
-			return nil, err
+			return outcome{}, err
 		}
 	}
 	var t0 string
 	err = admin.QueryRowContext(ctx, api.Clock["t0"]).Scan(&t0)
 	admin.Close()
 	if err != nil {
-		return nil, err
+		return outcome{}, err
 	}
 	conns := map[string]*sql.Conn{}
 	defer func() {
@@ -356,7 +365,7 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 		conn, ok := conns[current]
 		if !ok {
 			if conn, err = db.Conn(ctx); err != nil {
-				return nil, err
+				return outcome{}, err
 			}
 			conns[current] = conn
 		}
@@ -373,23 +382,26 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 			c = buildCall(step, clock, at, refs)
 			c.sql = fill(c.sql, map[string]string{"t0": "'" + t0 + "'"})
 		}
+		steps++
 		rows, err := query(ctx, conn, c)
 		want, wantsError := step["error"].(map[string]any)
 		if err != nil {
 			var pqErr *pq.Error
 			if !errors.As(err, &pqErr) {
-				return nil, err
+				return outcome{}, err
 			}
 			if !wantsError {
 				failures = append(failures, fmt.Sprintf("%s: unexpected error %s: %s",
 					where, pqErr.Code, pqErr.Message))
 				continue
 			}
+			checks++
 			if string(pqErr.Code) != want["sqlstate"] {
 				failures = append(failures, fmt.Sprintf("%s: SQLSTATE %s, expected %s: %s",
 					where, pqErr.Code, want["sqlstate"], pqErr.Message))
 			}
 			if wantColumn, ok := want["column"]; ok {
+				checks++
 				var got any
 				if pqErr.Column != "" {
 					got = pqErr.Column
@@ -415,6 +427,7 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 		}
 		switch c.shape {
 		case "sql":
+			checks++
 			got := value("json", rows[0]["rows"])
 			if !jsonEqual(got, expect["rows"]) {
 				failures = append(failures, fmt.Sprintf("%s: rows %s, expected %s",
@@ -422,6 +435,7 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 			}
 			continue
 		case "rows":
+			checks++
 			wantRows := expect["rows"].([]any)
 			var keys []string
 			if len(wantRows) > 0 {
@@ -457,6 +471,7 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 			matcher := expect[col]
 			got := value(kinds[col], rows[0][col])
 			for _, ch := range matcherChecks(matcher) {
+				checks++
 				var ok bool
 				switch ch.op {
 				case "is_null":
@@ -487,7 +502,7 @@ func runScenario(ctx context.Context, db *sql.DB, scenario map[string]any) ([]st
 			}
 		}
 	}
-	return failures, nil
+	return outcome{failures, steps, checks}, nil
 }
 
 // query runs one statement and reads every column as text (NULL: not Valid).
@@ -564,14 +579,14 @@ func run() int {
 			fmt.Fprintln(os.Stderr, err)
 			return 2
 		}
-		failures, err := runScenario(ctx, db, scenario)
+		result, err := runScenario(ctx, db, scenario)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "%s: %v\n", file, err)
 			return 2
 		}
-		failed = failed || len(failures) > 0
+		failed = failed || len(result.failures) > 0
 		fmt.Println(encode(map[string]any{"file": file, "name": scenario["name"],
-			"failures": failures}))
+			"failures": result.failures, "steps": result.steps, "checks": result.checks}))
 	}
 	if failed {
 		return 1

@@ -5,8 +5,10 @@
 //   java -cp CLASSES:/usr/share/java/postgresql.jar Run FUNCTIONS.json DSN SCENARIO.json...
 //
 // DSN is a libpq URI (postgresql://user@host:port/db). Prints one JSON line a scenario:
-// {"file", "name", "failures": [...]}; exits 0 when every scenario passed, 1 when one failed,
-// 2 on a usage or connection error. Arguments are bound and results read as functions.json
+// {"file", "name", "failures": [...], "steps", "checks"} (the steps it ran and the comparisons
+// it made, which the tests compare with the scenario's, so that a skipped step or check
+// fails); exits 0 when every scenario passed, 1 when one failed, 2 on a usage or connection
+// error. Arguments are bound and results read as functions.json
 // says, the same way as the other runners (tests/conformance/README.md).
 
 import java.io.IOException;
@@ -261,6 +263,9 @@ public final class Run {
 
     record Call(String sql, List<String> params, Map<String, String> columns, String shape) {}
 
+    /** What runScenario found, and how much of the scenario it ran. */
+    record Outcome(List<String> failures, int steps, int checks) {}
+
     private static final Pattern PLACEHOLDER = Pattern.compile("\\{(\\w+)\\}");
 
     private final Map<String, Object> api;
@@ -468,8 +473,10 @@ public final class Run {
         return out;
     }
 
-    List<String> runScenario(String url, Map<String, Object> scenario) throws SQLException {
+    Outcome runScenario(String url, Map<String, Object> scenario) throws SQLException {
         List<String> failures = new ArrayList<>();
+        int ran = 0;
+        int checks = 0;
         Map<String, Object> captures = new HashMap<>();
         Map<String, String> refs = new HashMap<>();
         Map<String, Connection> conns = new HashMap<>();
@@ -515,6 +522,7 @@ public final class Run {
                 }
                 List<Map<String, String>> rows;
                 Map<String, Object> wantError = step.containsKey("error") ? obj(step.get("error")) : null;
+                ran++;
                 try {
                     if (step.containsKey("sql")) {
                         // Sent as is, as the other runners do (a Statement binds no ?).
@@ -542,6 +550,7 @@ public final class Run {
                         failures.add(where + ": unexpected error " + code + ": " + sem.getMessage());
                         continue;
                     }
+                    checks += wantError.containsKey("column") ? 2 : 1;
                     if (!code.equals(wantError.get("sqlstate"))) {
                         failures.add(where + ": SQLSTATE " + code + ", expected " + wantError.get("sqlstate")
                                 + ": " + sem.getMessage());
@@ -561,6 +570,7 @@ public final class Run {
                 }
                 Map<String, String> kinds = call.columns();
                 if (call.shape().equals("sql")) {
+                    checks++;
                     Object got = Json.parse(rows.get(0).get("rows"));
                     if (!Json.equal(got, expect.get("rows"))) {
                         failures.add(where + ": rows " + show(got) + ", expected " + show(expect.get("rows")));
@@ -568,6 +578,7 @@ public final class Run {
                     continue;
                 }
                 if (call.shape().equals("rows")) {
+                    checks++;
                     List<Object> want = list(expect.get("rows"));
                     List<Object> got = new ArrayList<>();
                     for (Map<String, String> r : rows) {
@@ -594,6 +605,7 @@ public final class Run {
                     Object matcher = e.getValue();
                     Object got = value(kinds.get(col), record.get(col));
                     for (Object[] check : matcherChecks(matcher)) {
+                        checks++;
                         String op = (String) check[0];
                         boolean ok = switch (op) {
                             case "is_null" -> got == null;
@@ -617,7 +629,7 @@ public final class Run {
                 c.close();
             }
         }
-        return failures;
+        return new Outcome(failures, ran, checks);
     }
 
     public static void main(String[] args) throws IOException {
@@ -630,19 +642,21 @@ public final class Run {
         boolean failed = false;
         for (int k = 2; k < args.length; k++) {
             Map<String, Object> scenario = obj(Json.parse(Files.readString(Path.of(args[k]), StandardCharsets.UTF_8)));
-            List<String> failures;
+            Outcome result;
             try {
-                failures = runner.runScenario(url, scenario);
+                result = runner.runScenario(url, scenario);
             } catch (SQLException e) {
                 System.err.println(args[k] + ": " + e);
                 System.exit(2);
                 return;
             }
-            failed |= !failures.isEmpty();
+            failed |= !result.failures().isEmpty();
             Map<String, Object> line = new LinkedHashMap<>();
             line.put("file", args[k]);
             line.put("name", scenario.get("name"));
-            line.put("failures", new ArrayList<Object>(failures));
+            line.put("failures", new ArrayList<Object>(result.failures()));
+            line.put("steps", result.steps());
+            line.put("checks", result.checks());
             System.out.println(Json.write(line));
         }
         System.exit(failed ? 1 : 0);

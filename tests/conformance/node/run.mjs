@@ -3,8 +3,10 @@
 //
 //   node run.mjs DSN SCENARIO.json...
 //
-// Prints one JSON line a scenario: {"file", "name", "failures": [...]}; exits 0 when every
-// scenario passed, 1 when one failed, 2 on a usage or connection error. Arguments are bound
+// Prints one JSON line a scenario: {"file", "name", "failures": [...], "steps", "checks"} (the
+// steps it ran and the comparisons it made, which the tests compare with the scenario's, so
+// that a skipped step or check fails); exits 0 when every scenario passed, 1 when one failed,
+// 2 on a usage or connection error. Arguments are bound
 // and results read as tests/conformance/functions.json says, the same way as the Python and
 // psql runners (tests/conformance/README.md).
 
@@ -126,6 +128,8 @@ const show = (v) => JSON.stringify(v, (k, x) => (typeof x === 'bigint' ? x.toStr
 
 async function runScenario(dsn, scenario) {
   const failures = [];
+  let steps = 0;
+  let checks = 0;
   const captures = {};
   const clients = new Map();
   const clock = scenario.clock ?? 'virtual';
@@ -165,6 +169,7 @@ async function runScenario(dsn, scenario) {
         ({ params, columns, shape } = call);
       }
       let rows;
+      steps += 1;
       try {
         rows = (await client.query(sql, params)).rows;
       } catch (err) {
@@ -174,6 +179,7 @@ async function runScenario(dsn, scenario) {
           failures.push(`${where}: unexpected error ${err.code}: ${err.message}`);
           continue;
         }
+        checks += 'column' in want ? 2 : 1;
         if (err.code !== want.sqlstate) {
           failures.push(`${where}: SQLSTATE ${err.code}, expected ${want.sqlstate}: ${err.message}`);
         }
@@ -189,6 +195,7 @@ async function runScenario(dsn, scenario) {
       const expect = step.expect;
       if (!expect) continue;
       if (shape === 'sql') {
+        checks += 1;
         if (!jsonEqual(rows[0].rows, expect.rows)) {
           failures.push(`${where}: rows ${show(rows[0].rows)}, expected ${show(expect.rows)}`);
         }
@@ -196,6 +203,7 @@ async function runScenario(dsn, scenario) {
       }
       const kinds = Object.fromEntries(columns);
       if (shape === 'rows') {
+        checks += 1;
         const keys = expect.rows.length ? Object.keys(expect.rows[0]) : [];
         const got = rows.map((r) => Object.fromEntries(keys.map((k) => [k, kinds[k] === 'bigint' ? Number(r[k]) : r[k]])));
         if (!jsonEqual(got, expect.rows)) failures.push(`${where}: rows ${show(got)}, expected ${show(expect.rows)}`);
@@ -209,6 +217,7 @@ async function runScenario(dsn, scenario) {
       for (const [col, matcher] of Object.entries(expect)) {
         const got = record[col] ?? null;
         for (const [op, operand] of matcherChecks(matcher)) {
+          checks += 1;
           let ok;
           if (op === 'is_null') ok = got === null;
           else if (op === 'not_null') ok = got !== null;
@@ -224,7 +233,7 @@ async function runScenario(dsn, scenario) {
   } finally {
     for (const client of clients.values()) await client.end();
   }
-  return failures;
+  return { failures, steps, checks };
 }
 
 async function main() {
@@ -236,9 +245,9 @@ async function main() {
   let failed = false;
   for (const file of files) {
     const scenario = JSON.parse(readFileSync(file, 'utf8'));
-    const failures = await runScenario(dsn, scenario);
+    const { failures, steps, checks } = await runScenario(dsn, scenario);
     failed ||= failures.length > 0;
-    process.stdout.write(JSON.stringify({ file, name: scenario.name, failures }) + '\n');
+    process.stdout.write(JSON.stringify({ file, name: scenario.name, failures, steps, checks }) + '\n');
   }
   return failed ? 1 : 0;
 }

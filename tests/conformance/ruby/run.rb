@@ -5,8 +5,10 @@
 #
 #   ruby run.rb FUNCTIONS.json DSN SCENARIO.json...
 #
-# Prints one JSON line a scenario: {"file", "name", "failures": [...]}; exits 0 when every
-# scenario passed, 1 when one failed, 2 on a usage or connection error. Arguments are bound
+# Prints one JSON line a scenario: {"file", "name", "failures": [...], "steps", "checks"} (the
+# steps it ran and the comparisons it made, which the tests compare with the scenario's, so
+# that a skipped step or check fails); exits 0 when every scenario passed, 1 when one failed,
+# 2 on a usage or connection error. Arguments are bound
 # and results read as functions.json says, the same way as the other runners
 # (tests/conformance/README.md).
 
@@ -142,8 +144,11 @@ class Runner
 
   def show(v) = dump(v)
 
+  # [failures, steps run, checks made]
   def run_scenario(dsn, scenario)
     failures = []
+    steps = 0
+    checks = 0
     captures = {}
     refs = {}
     conns = {}
@@ -173,6 +178,7 @@ class Runner
         call = build_call(step, clock, at, refs)
         call[:sql] = fill(call[:sql], { "t0" => "'#{t0}'" })
       end
+      steps += 1
       begin
         result = call[:params].empty? ? conn.exec(call[:sql]) : conn.exec_params(call[:sql], call[:params])
         rows = result.to_a
@@ -187,6 +193,7 @@ class Runner
           failures << "#{where}: unexpected error #{code}: #{message}"
           next
         end
+        checks += want.key?("column") ? 2 : 1
         failures << "#{where}: SQLSTATE #{code}, expected #{want['sqlstate']}: #{message}" if code != want["sqlstate"]
         if want.key?("column") && column != want["column"]
           failures << "#{where}: error COLUMN #{show(column)}, expected #{show(want['column'])}"
@@ -202,10 +209,12 @@ class Runner
       kinds = call[:columns]
       case call[:shape]
       when "sql"
+        checks += 1
         got = parse_json(rows[0]["rows"])
         failures << "#{where}: rows #{show(got)}, expected #{show(expect['rows'])}" unless json_equal(got, expect["rows"])
         next
       when "rows"
+        checks += 1
         keys = expect["rows"].empty? ? [] : expect["rows"][0].keys
         got = rows.map { |r| keys.to_h { |k| [k, value(kinds[k], r[k])] } }
         failures << "#{where}: rows #{show(got)}, expected #{show(expect['rows'])}" unless json_equal(got, expect["rows"])
@@ -219,6 +228,7 @@ class Runner
       expect.each do |col, matcher|
         got = value(kinds[col], record[col])
         matcher_checks(matcher).each do |op, operand|
+          checks += 1
           ok = case op
                when "is_null" then got.nil?
                when "not_null" then !got.nil?
@@ -232,7 +242,7 @@ class Runner
         end
       end
     end
-    failures
+    [failures, steps, checks]
   ensure
     conns&.each_value(&:close)
   end
@@ -248,9 +258,10 @@ def main(argv)
   failed = false
   files.each do |file|
     scenario = parse_json(File.read(file, encoding: "UTF-8"))
-    failures = runner.run_scenario(dsn, scenario)
+    failures, steps, checks = runner.run_scenario(dsn, scenario)
     failed ||= !failures.empty?
-    $stdout.puts JSON.generate({ "file" => file, "name" => scenario["name"], "failures" => failures })
+    $stdout.puts JSON.generate({ "file" => file, "name" => scenario["name"], "failures" => failures,
+                                 "steps" => steps, "checks" => checks })
   end
   failed ? 1 : 0
 rescue PG::ConnectionBad => e
