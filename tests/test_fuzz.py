@@ -13,6 +13,12 @@ test clocks, wrong and other keys' lease tokens, other scopes' keys. After every
   one neither a lease nor a response;
 * no oracle: IK003 comes only from takeover(), and IK004 only to the caller whose token is the
   completed key's own (every other wrong token gets IK001);
+* heartbeat_outcome, checkpoint_outcome and release_outcome (0.11.0) raise only for bad
+  arguments, never IK001/IK003/IK004. Their lease_lost and completed answers changed nothing,
+  are what the raising form with the same arguments raises (IK001, IK004: called right after,
+  it must raise that and change nothing either), and completed goes only to the token that
+  completed the key; ok left the key in progress under that token with the lease expiry it
+  returned (release_outcome: released, no expiry);
 * a claim that returned a stored response (replay, accepted) was given the request, or the
   fingerprint, the key was claimed with: no role reads a key it did not present.
 
@@ -30,12 +36,13 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from conftest import login_roles
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parent.parent
-FUZZ_CALLS = 20000 if os.environ.get("PG_IDEM_PROBES") == "long" else 600
+FUZZ_CALLS = 20000 if os.environ.get("PG_IDEM_PROBES") == "long" else 750
 SEED = int(os.environ.get("PG_IDEM_FUZZ_SEED", "13"))
 
 
@@ -86,6 +93,12 @@ CALLS: dict[str, str] = {
     "accept": "SELECT idempotency.accept(%s::text, %s::text, %s::bigint, %s::integer, "
               "%s::jsonb, %s::jsonb, %s::interval, %s::timestamptz)",
     "release": "SELECT idempotency.release(%s::text, %s::text, %s::bigint)",
+    "checkpoint_outcome": "SELECT * FROM idempotency.checkpoint_outcome(%s::text, %s::text, "
+                          "%s::bigint, %s::text, %s::interval, %s::timestamptz)",
+    "heartbeat_outcome": "SELECT * FROM idempotency.heartbeat_outcome(%s::text, %s::text, "
+                         "%s::bigint, coalesce(%s::interval, '30 seconds'), %s::timestamptz)",
+    "release_outcome": "SELECT * FROM idempotency.release_outcome(%s::text, %s::text, "
+                       "%s::bigint)",
     "list_abandoned": "SELECT * FROM idempotency.list_abandoned(%s::integer, %s::text, "
                       "%s::timestamptz)",
     "inbox_accept": "SELECT idempotency.inbox_accept(%s::text, %s::text, %s::timestamptz)",
@@ -123,6 +136,13 @@ SELECT
 """
 #: The functions that take a lease token, and where it is among their arguments.
 FENCED = ("checkpoint", "heartbeat", "complete", "complete_bytes", "accept", "release")
+#: The outcome forms and their raising forms, which take the same arguments.
+OUTCOME_FORMS = {"checkpoint_outcome": "checkpoint", "heartbeat_outcome": "heartbeat",
+                 "release_outcome": "release"}
+#: What the raising form raises where the outcome form answers.
+RAISES = {"lease_lost": "IK001", "completed": "IK004"}
+KEY_ROW = ("SELECT k.state, k.lease_token, k.lease_expires_at FROM idempotency.keys AS k "
+           "WHERE k.scope = %s AND k.key = %s")
 
 
 # The values each list starts with that a well-behaved caller passes; pick() takes one of them
@@ -139,7 +159,9 @@ def pick(rng: random.Random, values: list[Any]) -> Any:
 
 
 def arguments(rng: random.Random, fn: str, tokens: list[str],
-              held: dict[tuple[str, str], str]) -> tuple[Any, ...]:
+              held: dict[tuple[str, str], str],
+              claimed_with: dict[tuple[str, str], tuple[Any, Any]]) -> tuple[Any, ...]:
+    fn = OUTCOME_FORMS.get(fn, fn)  # the same arguments as the raising form
     scope, key = pick(rng, SCOPES), pick(rng, NAMES)
     owned = None
     if held and rng.random() < 0.5:  # a key some earlier claim or takeover got a token for
@@ -154,8 +176,13 @@ def arguments(rng: random.Random, fn: str, tokens: list[str],
         return pick(rng, INTS + ['-9223372036854775808', '9223372036854775807'])
 
     if fn == "claim":
-        fingerprint = pick(rng, BYTEAS) if rng.random() < 0.2 else None
-        request = pick(rng, JSONS) if fingerprint is None or rng.random() < 0.3 else None
+        if owned is not None and (scope, key) in claimed_with and rng.random() < 0.5:
+            # A retry of the request that got the key's token, so that replays (and what
+            # they may reveal) are reached however the other calls fall.
+            request, fingerprint = claimed_with[(scope, key)]
+        else:
+            fingerprint = pick(rng, BYTEAS) if rng.random() < 0.2 else None
+            request = pick(rng, JSONS) if fingerprint is None or rng.random() < 0.3 else None
         return (scope, key, request, pick(rng, INTERVALS), fingerprint, pick(rng, BOOLS),
                 pick(rng, TIMES))
     if fn == "takeover":
@@ -186,12 +213,39 @@ def arguments(rng: random.Random, fn: str, tokens: list[str],
     return (scope, key, pick(rng, NAMES))
 
 
+def check_outcome(owner: psycopg.Connection, conn: psycopg.Connection, where: str, fn: str,
+                  args: tuple[Any, ...], rows: list[Any], before: Any) -> None:
+    """What an answer of heartbeat_outcome, checkpoint_outcome or release_outcome says is so."""
+    assert len(rows) == 1, (where, fn, rows)
+    outcome, expires = rows[0]
+    assert outcome in ("ok", "lease_lost", "completed"), (where, fn, rows)
+    row = owner.execute(KEY_ROW, args[:2]).fetchone()
+    if outcome == "ok":
+        assert row is not None and row[1] == int(args[2]), (where, fn, args, row)
+        if fn == "release_outcome":
+            assert expires is None and row[0] == "released" and row[2] is None, (where, row)
+        else:
+            assert expires is not None and row[0] == "in_progress" and row[2] == expires, (
+                where, fn, args, rows, row)
+        return
+    assert expires is None, (where, fn, rows)
+    assert owner.execute(SNAPSHOT).fetchone() == before, (where, fn, outcome, "it wrote")
+    # No oracle: completed only to the token that completed the key.
+    assert (outcome == "completed") == (row is not None and row[:2] == (
+        "completed", int(args[2]))), (where, fn, args, outcome, row)
+    with pytest.raises(psycopg.Error) as raised:
+        conn.execute(CALLS[OUTCOME_FORMS[fn]], args)
+    assert raised.value.sqlstate == RAISES[outcome], (where, fn, outcome, str(raised.value))
+    assert owner.execute(SNAPSHOT).fetchone() == before, (where, fn, "the raising form wrote")
+
+
 def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, db: str) -> None:
     documented = documented_sqlstates()
     assert {"IK001", "IK010", "IK014", "42501", "22P02"} <= documented, documented
     rng = random.Random(SEED)
     tokens: list[str] = []
     held: dict[tuple[str, str], str] = {}
+    claimed_with: dict[tuple[str, str], tuple[Any, Any]] = {}  # (request, fingerprint)
     seen: dict[str, int] = {}
     failures = 0
     kinds = ("request", "completer")
@@ -203,7 +257,7 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
                 where = f"seed {SEED}, call {n}"
                 kind = "completer" if rng.random() < 0.3 else "request"
                 fn = rng.choice(sorted(CALLS))
-                args = arguments(rng, fn, tokens, held)
+                args = arguments(rng, fn, tokens, held, claimed_with)
                 before = owner.execute(SNAPSHOT).fetchone()
                 try:
                     cur = conns[kind].execute(CALLS[fn], args)
@@ -218,6 +272,9 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
                     assert after == before, (where, kind, fn, "a failed call changed rows")
                     # No oracle: a key's state is told only to its owner.
                     assert state != "IK003" or fn == "takeover", (where, fn, str(err)[:300])
+                    # The outcome forms answer where the raising forms raise.
+                    assert fn not in OUTCOME_FORMS or state not in ("IK001", "IK004"), (
+                        where, fn, str(err)[:300])
                     if state == "IK004":
                         assert fn in FENCED, (where, fn, str(err)[:300])
                         assert owner.execute(
@@ -226,12 +283,17 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
                             "completed", int(args[2])), (where, fn, args, "IK004 to a stranger")
                     continue
                 seen["ok"] = seen.get("ok", 0) + 1
+                if fn in OUTCOME_FORMS:
+                    check_outcome(owner, conns[kind], where, fn, args, rows, before)
+                    seen[f"outcome:{rows[0][0]}"] = seen.get(f"outcome:{rows[0][0]}", 0) + 1
                 if fn in ("claim", "takeover") and rows:
                     outcome, token = rows[0][0], rows[0][1]
                     seen[f"{fn}:{outcome}"] = seen.get(f"{fn}:{outcome}", 0) + 1
                     if token is not None:
                         tokens.append(str(token))
                         held[(args[0], args[1])] = str(token)
+                        if fn == "claim":
+                            claimed_with[(args[0], args[1])] = (args[2], args[4])
                     if fn == "claim" and outcome in ("replay", "accepted"):
                         # The stored response went only to a caller that presented the key's
                         # own request (or fingerprint).
@@ -247,9 +309,10 @@ def test_fuzz_every_public_function_as_the_application_roles(server: PgServer, d
         finally:
             for conn in conns.values():
                 conn.close()
+    print(f"fuzz seed {SEED}: {FUZZ_CALLS} calls, {sorted(seen.items())}")
     # The fuzz reached both sides: successes and refusals of several kinds.
     assert seen.get("ok", 0) > FUZZ_CALLS // 20, seen
     assert failures > FUZZ_CALLS // 4, seen
     assert {"IK001", "IK003", "IK004", "IK010", "IK011", "IK012", "IK018", "42501",
-            "claim:replay"} <= set(seen), seen
-    print(f"fuzz seed {SEED}: {FUZZ_CALLS} calls, {seen}")
+            "claim:replay", "outcome:ok", "outcome:lease_lost", "outcome:completed"} <= set(
+        seen), sorted(seen.items())
