@@ -39,17 +39,23 @@ public final class Payment {
             }
         }
         switch (outcome) {
-            case "replay":  // send storedHeaders plus Idempotent-Replayed: true
+            case "claimed", "resumed":
+                // Ours to run: new, or resumed after a crashed attempt. The charge below
+                // commits only together with complete(), so a crashed attempt left nothing
+                // behind.
+                break;
+            case "replay", "accepted":  // the stored answer; the interim one (e.g. 202) of a
+                // running job. Send storedHeaders plus Idempotent-Replayed: true.
                 return new Answer(storedStatus, storedHeaders, storedBody);
             case "in_progress":
                 return new Answer(409, "{\"Retry-After\": \"" + retryAfter + "\"}",
                         "{\"error\": \"in_progress\"}");
             case "mismatch":
                 return new Answer(422, "{}", "{\"error\": \"idempotency_key_reused\"}");
-            default:
-                // claimed, or resumed after a crashed attempt. The charge below commits only
-                // together with complete(), so a crashed attempt left nothing behind.
-                break;
+            case "expired":  // only a tombstone is left (settings.tombstones): never run it again
+                return new Answer(422, "{}", "{\"error\": \"idempotency_key_expired\"}");
+            default:  // an outcome this code does not know: never run the operation on a guess
+                throw new IllegalStateException("unknown claim outcome " + outcome);
         }
         // 2. The business write and complete() in ONE transaction.
         conn.setAutoCommit(false);

@@ -4,11 +4,34 @@
 
 import java.sql.Connection;
 import java.sql.DriverManager;
+import java.sql.PreparedStatement;
 import java.sql.ResultSet;
 import java.sql.SQLException;
 import java.sql.Statement;
 
 public final class PaymentCheck {
+    // The same two statements in every language's check (payment_check.mjs, payment_check.rb,
+    // check.go). ACCEPTED: claim a key (both ? are the key) and store a 202 on it, as a job's
+    // enqueuer would.
+    static final String ACCEPTED = """
+            SELECT idempotency.accept(scope => 'acct_42', key => ?, lease_token => c.lease_token,
+                                      status => 202, body => '{"status": "pending"}',
+                                      headers => '{"Location": "/charges/pending"}')
+            FROM idempotency.claim(scope => 'acct_42', key => ?, request => '{"amount": 8}') AS c
+            """;
+    // EXPIRE: key order-old completed, then, three days on, maintain() drops its partition
+    // and keeps a tombstone (a newer key keeps the newest partition, which maintain() never
+    // drops).
+    static final String EXPIRE = """
+            UPDATE idempotency.settings SET tombstones = true;
+            SELECT idempotency.complete(scope => 'acct_42', key => 'order-old',
+                                        lease_token => c.lease_token, status => 201, body => '{"id": 0}')
+            FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}') AS c;
+            SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}',
+                                     reference_time => now() + interval '3 days');
+            SELECT idempotency.maintain(now() + interval '3 days')
+            """;
+
     static void check(boolean ok, Object what) {
         if (!ok) {
             System.err.println("not as documented: " + what);
@@ -49,6 +72,25 @@ public final class PaymentCheck {
                     "{\"amount\": 7}");
             int retryAfter = Integer.parseInt(busy.headersJson().replaceAll("\\D", ""));
             check(busy.status() == 409 && retryAfter > 0 && retryAfter <= 30, busy);
+
+            // A job holds a third key and stored its interim answer with accept().
+            try (PreparedStatement ps = conn.prepareStatement(ACCEPTED)) {
+                ps.setString(1, key + "-c");
+                ps.setString(2, key + "-c");
+                ps.execute();
+            }
+            Payment.Answer accepted = Payment.createCharge(conn, "acct_42", key + "-c", 8,
+                    "{\"amount\": 8}");
+            check(accepted.status() == 202
+                    && compact(accepted.headersJson()).equals("{\"Location\":\"/charges/pending\"}")
+                    && compact(accepted.body()).equals("{\"status\":\"pending\"}"), accepted);
+
+            // With tombstones on, a key dropped after its retention is expired: refused, not run.
+            st.execute(EXPIRE);
+            Payment.Answer expired = Payment.createCharge(conn, "acct_42", "order-old", 9,
+                    "{\"amount\": 9}");
+            check(expired.status() == 422
+                    && expired.body().equals("{\"error\": \"idempotency_key_expired\"}"), expired);
 
             try (ResultSet rs = st.executeQuery("SELECT count(*) FROM charges")) {
                 rs.next();

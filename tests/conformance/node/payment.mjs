@@ -11,7 +11,14 @@ export async function createCharge(pool, account, idempotencyKey, request) {
     [account, idempotencyKey, JSON.stringify(request)]);
 
   switch (claim.outcome) {
-    case 'replay':
+    case 'claimed':
+    case 'resumed':
+      // Ours to run: new, or resumed after a crashed attempt. The charge below commits only
+      // together with complete(), so a crashed attempt left nothing behind and running again
+      // is safe. (Side effects outside this database: reconcile from claim.recovery_point first.)
+      break;
+    case 'replay': // the stored answer
+    case 'accepted': // the interim answer (e.g. 202) of a job still running
       return {
         status: claim.response_status,
         headers: { ...claim.response_headers, 'Idempotent-Replayed': 'true' },
@@ -21,11 +28,10 @@ export async function createCharge(pool, account, idempotencyKey, request) {
       return { status: 409, headers: { 'Retry-After': String(claim.retry_after_s) }, body: { error: 'in_progress' } };
     case 'mismatch':
       return { status: 422, headers: {}, body: { error: 'idempotency_key_reused' } };
-    default:
-      // claimed, or resumed after a crashed attempt. The charge below commits only together
-      // with complete(), so a crashed attempt left nothing behind and running again is safe.
-      // (Side effects outside this database: reconcile from claim.recovery_point first.)
-      break;
+    case 'expired': // only a tombstone is left (settings.tombstones): never run it again
+      return { status: 422, headers: {}, body: { error: 'idempotency_key_expired' } };
+    default: // an outcome this code does not know: never run the operation on a guess
+      throw new Error(`unknown claim outcome ${claim.outcome}`);
   }
 
   // 2. The business write and complete() in ONE transaction, on one client.

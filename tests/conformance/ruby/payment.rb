@@ -16,15 +16,20 @@ def create_charge(conn, account, key, request)
     FROM idempotency.claim(scope => $1, key => $2, request => $3::jsonb)
   SQL
   case claim["outcome"]
-  when "replay"
+  when "claimed", "resumed"
+    # Ours to run: new, or resumed after a crashed attempt. The charge below commits only
+    # together with complete(), so a crashed attempt left nothing behind and running again
+    # is safe.
+  when "replay", "accepted" # the stored answer; the interim one (e.g. 202) of a running job
     return [claim["response_status"].to_i,
             JSON.parse(claim["response_headers"]).merge("Idempotent-Replayed" => "true"),
             JSON.parse(claim["response_body"])]
   when "in_progress" then return [409, { "Retry-After" => claim["retry_after"] }, { "error" => "in_progress" }]
   when "mismatch" then return [422, {}, { "error" => "idempotency_key_reused" }]
+  # Only a tombstone is left (settings.tombstones): never run it again.
+  when "expired" then return [422, {}, { "error" => "idempotency_key_expired" }]
+  else raise "unknown claim outcome #{claim['outcome']}" # never run the operation on a guess
   end
-  # claimed, or resumed after a crashed attempt. The charge below commits only together
-  # with complete(), so a crashed attempt left nothing behind and running again is safe.
 
   # 2. The business write and complete() in ONE transaction.
   conn.transaction do |tx|

@@ -12,6 +12,23 @@ import (
 	"strconv"
 )
 
+// The same two statements in every language's check (payment_check.mjs, payment_check.rb,
+// PaymentCheck.java). accepted: claim $1 and store a 202 on it, as a job's enqueuer would.
+const accepted = `SELECT idempotency.accept(scope => 'acct_42', key => $1,
+        lease_token => c.lease_token, status => 202, body => '{"status": "pending"}',
+        headers => '{"Location": "/charges/pending"}')
+    FROM idempotency.claim(scope => 'acct_42', key => $1, request => '{"amount": 8}') AS c`
+
+// expire: key order-old completed, then, three days on, maintain() drops its partition and
+// keeps a tombstone (a newer key keeps the newest partition, which maintain() never drops).
+const expire = `UPDATE idempotency.settings SET tombstones = true;
+SELECT idempotency.complete(scope => 'acct_42', key => 'order-old', lease_token => c.lease_token,
+                            status => 201, body => '{"id": 0}')
+    FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}') AS c;
+SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}',
+                         reference_time => now() + interval '3 days');
+SELECT idempotency.maintain(now() + interval '3 days')`
+
 func must(err error) {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -63,6 +80,25 @@ func main() {
 	must(err)
 	retryAfter, err := strconv.Atoi(busy.Headers["Retry-After"])
 	expect(busy.Status == 409 && err == nil && retryAfter > 0 && retryAfter <= 30, "busy", busy)
+
+	// A job holds a third key and stored its interim answer with accept().
+	_, err = db.ExecContext(ctx, accepted, key+"-c")
+	must(err)
+	interim, err := createCharge(ctx, db, "acct_42", key+"-c", map[string]any{"amount": 8})
+	must(err)
+	var interimBody any
+	must(json.Unmarshal(interim.Body, &interimBody))
+	expect(interim.Status == 202 && reflect.DeepEqual(interim.Headers, map[string]string{
+		"Location": "/charges/pending", "Idempotent-Replayed": "true"}) &&
+		reflect.DeepEqual(interimBody, map[string]any{"status": "pending"}), "accepted", interim)
+
+	// With tombstones on, a key dropped after its retention is expired: refused, not run.
+	_, err = db.ExecContext(ctx, expire)
+	must(err)
+	old, err := createCharge(ctx, db, "acct_42", "order-old", map[string]any{"amount": 9})
+	must(err)
+	expect(old.Status == 422 && string(old.Body) == `{"error": "idempotency_key_expired"}`,
+		"expired", old)
 
 	var n int
 	must(db.QueryRowContext(ctx, "SELECT count(*) FROM charges").Scan(&n))

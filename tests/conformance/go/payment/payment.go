@@ -40,7 +40,11 @@ func createCharge(ctx context.Context, db *sql.DB, account, key string,
 		return Answer{}, err
 	}
 	switch outcome {
-	case "replay":
+	case "claimed", "resumed":
+		// Ours to run: new, or resumed after a crashed attempt. The charge below commits only
+		// together with complete(), so a crashed attempt left nothing behind and running
+		// again is safe.
+	case "replay", "accepted": // the stored answer; the interim one (e.g. 202) of a running job
 		headers := map[string]string{}
 		if err := json.Unmarshal(headersJSON, &headers); err != nil {
 			return Answer{}, err
@@ -52,9 +56,11 @@ func createCharge(ctx context.Context, db *sql.DB, account, key string,
 			json.RawMessage(`{"error": "in_progress"}`)}, nil
 	case "mismatch":
 		return Answer{422, map[string]string{}, json.RawMessage(`{"error": "idempotency_key_reused"}`)}, nil
+	case "expired": // only a tombstone is left (settings.tombstones): never run it again
+		return Answer{422, map[string]string{}, json.RawMessage(`{"error": "idempotency_key_expired"}`)}, nil
+	default: // an outcome this code does not know: never run the operation on a guess
+		return Answer{}, fmt.Errorf("unknown claim outcome %q", outcome)
 	}
-	// claimed, or resumed after a crashed attempt. The charge below commits only together
-	// with complete(), so a crashed attempt left nothing behind and running again is safe.
 
 	// 2. The business write and complete() in ONE transaction.
 	tx, err := db.BeginTx(ctx, nil)
