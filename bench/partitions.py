@@ -22,7 +22,12 @@ Both drive bench/engine.pgbench (claim + complete of a fresh key) with pgbench -
     .venv/bin/python bench/partitions.py [--servers pg15,pg18] [--modes fast,durable]
         [--partitions 5,25,50,100] [--seconds 5] [--rounds 3] [--clients 2]
         [--big-keys 10000000] [--big-servers pg15] [--skip-big]
-        [--plot docs/benchmarks-partitions.png] [--json results.json]
+        [--plot build/benchmarks-partitions.png] [--json results.json]
+
+The plot goes to build/ by default, where the unprivileged user the benchmarks run as may
+write (docs/ belongs to whoever checked the tree out); `make bench` copies it to
+docs/benchmarks-partitions.png. A --plot or --json path that cannot be written is refused
+before the run, not after its ten minutes, and the JSON is written before the plot.
 
 Modes: "fast" (the default) turns fsync, synchronous_commit and full_page_writes off, which
 makes the run CPU-bound and shows the functions' own cost; "durable" is PostgreSQL's default.
@@ -32,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import statistics
 import subprocess
@@ -262,6 +268,21 @@ def big(server: pgharness.PgServer, label: str, args: argparse.Namespace) -> dic
             "ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
+def unwritable(path: Path | None) -> str | None:
+    """Why this process could not write ``path`` (None if it can, or if no path is given):
+    checked before the run, so that a root-owned docs/ file does not end a ten-minute run."""
+    if path is None:
+        return None
+    path = path.resolve()
+    if path.exists():
+        return None if os.access(path, os.W_OK) else "exists and is not writable by this user"
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    return None if os.access(parent, os.W_OK | os.X_OK) else \
+        f"cannot be created: {parent} is not writable by this user (pass another path)"
+
+
 def plot(runs: list[dict], layouts: list[int], path: Path) -> None:
     import matplotlib
 
@@ -309,11 +330,15 @@ def main() -> int:
     parser.add_argument("--big-keys", type=int, default=10_000_000)
     parser.add_argument("--big-servers", default="pg15", help="servers for the stored-keys run")
     parser.add_argument("--skip-big", action="store_true", help="skip the stored-keys run")
-    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "benchmarks-partitions.png")
+    parser.add_argument("--plot", type=Path, default=ROOT / "build" / "benchmarks-partitions.png")
     parser.add_argument("--json", type=Path, help="dump all results here")
     parser.add_argument("--upto", type=int, default=9999,
                         help="install migrations up to this number only (4: before Engine v2)")
     args = parser.parse_args()
+    for option, path in (("--plot", args.plot), ("--json", args.json)):
+        problem = unwritable(path)
+        if problem:
+            parser.error(f"{option} {path}: {problem}")
     global UPTO
     UPTO = args.upto
     args.partitions = [int(n) for n in args.partitions.split(",")]
@@ -378,14 +403,14 @@ def main() -> int:
                   f"{b['empty_tps']:.0f} | {b['big_tps']:.0f} | {b['ratio']:.2f} |")
     print(f"\ntotal run time {elapsed:.0f}s")
 
-    if flat:
-        plot(flat, layouts, args.plot)
-        print(f"plot: {args.plot}")
     if args.json:
         args.json.write_text(json.dumps({
             "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
             "elapsed_seconds": elapsed, "runs": runs}, indent=2) + "\n")
         print(f"json: {args.json}")
+    if flat:
+        plot(flat, layouts, args.plot)
+        print(f"plot: {args.plot}")
     return 0
 
 
