@@ -785,6 +785,10 @@ ARGUMENT_ERRORS = [
     ("SELECT idempotency.claim('s', '', '{}')", "IK011", "key"),
     ("SELECT idempotency.claim('s', 'k', '{}', lease => '0 seconds')", "IK014", "lease"),
     ("SELECT idempotency.heartbeat('s', 'k', NULL)", "IK010", "lease_token"),
+    # The outcome forms answer a lost lease without an error, never a bad argument.
+    ("SELECT idempotency.heartbeat_outcome('s', 'k', NULL)", "IK010", "lease_token"),
+    ("SELECT idempotency.checkpoint_outcome('s', 'k', 1, NULL)", "IK010", "recovery_point"),
+    ("SELECT idempotency.release_outcome('s', '', 1)", "IK011", "key"),
     ("SELECT idempotency.complete('s', 'k', 1, 99, '{}')", "IK014", "status"),
     ("SELECT idempotency.inbox_accept('c', NULL)", "IK010", "message_id"),
 ]
