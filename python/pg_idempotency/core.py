@@ -17,6 +17,7 @@ import functools
 import inspect
 import json
 import logging
+import re
 import struct
 from collections.abc import Awaitable, Callable, Generator, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -26,7 +27,9 @@ from enum import Enum
 from typing import Any, Concatenate, Final, ParamSpec, TypeVar, overload
 
 import psycopg
-from psycopg.pq import PipelineStatus, TransactionStatus
+from psycopg import errors as _pgerrors
+from psycopg import generators as _generators
+from psycopg.pq import ExecStatus, Format, PipelineStatus, TransactionStatus
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
@@ -541,6 +544,216 @@ async def _abegin(conn: psycopg.AsyncConnection[Any]) -> None:
 _BEGIN = Q.BEGIN.encode()
 
 
+# -- the package's own sends ------------------------------------------------------------------
+#
+# claim (in binary) and complete + COMMIT (one simple Query) are the statements of every
+# payment. Through a psycopg cursor each costs the application a cursor, a Transformer, the
+# query's conversion, a dumper per parameter and a loader per result column, about as much
+# CPU as the round trip itself (issue 32). Their parameters are few and of known types, so
+# the package binds them itself and sends them with psycopg's own generators on the caller's
+# connection, as psycopg's cursor does: under the connection's lock, its state checked, a
+# transaction begun first where psycopg would begin one, errors raised as psycopg raises them
+# (psycopg.errors.error_from_result: the same classes, SQLSTATEs and diagnostics). Values of
+# any other type, a text psycopg would refuse (NUL) or the client encoding cannot hold, the
+# opt-in to prepared statements and a pipeline take the cursor as before. Nothing is prepared:
+# claim goes as an unnamed extended-protocol statement (the same Parse, Bind and Execute a
+# cursor sends, with the same parameter types and formats), complete + COMMIT as a simple
+# Query with its values as literals (what psycopg's ClientCursor renders).
+
+#: The psycopg internals the own sends rely on; with a psycopg that lacks one, every statement
+#: takes a cursor.
+_OWN_SEND: Final = (
+    all(hasattr(cls, name) for cls in (psycopg.Connection, psycopg.AsyncConnection)
+        for name in ("_check_connection_ok", "_start_query", "wait"))
+    and callable(getattr(_generators, "execute", None))
+    and callable(getattr(_pgerrors, "error_from_result", None)))
+
+_PLACEHOLDER = re.compile(r"%\((\w+)\)s")
+_TEXT, _BINARY = Format.TEXT, Format.BINARY
+_TUPLES_OK, _COMMAND_OK, _FATAL_ERROR = (ExecStatus.TUPLES_OK, ExecStatus.COMMAND_OK,
+                                         ExecStatus.FATAL_ERROR)
+#: psycopg's binary dumpers' OIDs and layouts for the types the package binds itself.
+_BOOL_OID, _BYTEA_OID, _TIMESTAMPTZ_OID, _INTERVAL_OID = 16, 17, 1184, 1186
+_PACK_INTERVAL = struct.Struct(">qii").pack
+_PACK_INT8 = struct.Struct(">q").pack
+
+
+@functools.lru_cache(maxsize=64)
+def _numbered(sql: str) -> tuple[bytes, tuple[str, ...]]:
+    """A statement of queries.py with its ``%(name)s`` placeholders as ``$1``, ``$2`` ... in
+    order of first use (a name used twice is one parameter, as psycopg numbers them)."""
+    names: list[str] = []
+
+    def number(m: re.Match[str]) -> str:
+        if m[1] not in names:
+            names.append(m[1])
+        return f"${names.index(m[1]) + 1}"
+
+    text = _PLACEHOLDER.sub(number, sql)
+    if "%" in text:
+        raise ValueError(f"unexpected % in a statement: {sql!r}")
+    return text.encode("ascii"), tuple(names)
+
+
+@functools.lru_cache(maxsize=64)
+def _split(sql: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """A statement of queries.py as its text between placeholders, and the placeholders'
+    names: ``parts[0] + literal(names[0]) + parts[1] + ...``."""
+    pieces = _PLACEHOLDER.split(sql)
+    if any("%" in text for text in pieces[::2]):
+        raise ValueError(f"unexpected % in a statement: {sql!r}")
+    return tuple(pieces[::2]), tuple(pieces[1::2])
+
+
+def _bound(sql: str, params: Mapping[str, Any], encoding: str
+           ) -> tuple[bytes, list[bytes | None], list[int], list[Format]] | None:
+    """``sql`` numbered and its parameters as psycopg's dumpers send them (text as text of
+    unknown type; bool, bytea, interval and an aware timestamptz in binary; NULL), or None
+    when one of them is of another type, or a text psycopg would refuse or the encoding
+    cannot hold: the cursor sends it then."""
+    query, names = _numbered(sql)
+    values: list[bytes | None] = []
+    types: list[int] = []
+    formats: list[Format] = []
+    for name in names:
+        value = params[name]
+        kind = type(value)
+        if value is None:
+            values.append(None)
+            types.append(0)
+            formats.append(_TEXT)
+        elif kind is str:
+            if "\x00" in value:
+                return None  # psycopg refuses it (DataError): let it
+            try:
+                values.append(value.encode(encoding))
+            except UnicodeEncodeError:
+                return None
+            types.append(0)
+            formats.append(_TEXT)
+        elif kind is bytes:
+            values.append(value)
+            types.append(_BYTEA_OID)
+            formats.append(_BINARY)
+        elif kind is bool:
+            values.append(b"\x01" if value else b"\x00")
+            types.append(_BOOL_OID)
+            formats.append(_BINARY)
+        elif kind is timedelta:
+            values.append(_PACK_INTERVAL(value.seconds * 1_000_000 + value.microseconds,
+                                         value.days, 0))
+            types.append(_INTERVAL_OID)
+            formats.append(_BINARY)
+        elif kind is datetime and value.utcoffset() is not None:
+            # an aware time: microseconds since 2000-01-01 UTC (a naive one is a timestamp
+            # the server reads in the session's TimeZone: psycopg's own dumper sends it)
+            since = value - _EPOCH_2000
+            values.append(_PACK_INT8((since.days * 86400 + since.seconds) * 1_000_000
+                                     + since.microseconds))
+            types.append(_TIMESTAMPTZ_OID)
+            formats.append(_BINARY)
+        else:
+            return None
+    return query, values, types, formats
+
+
+def _quoted(text: str, conforming: bool) -> str:
+    """A string literal of ``text`` (no NUL in it), as the server reads it whatever
+    standard_conforming_strings (``conforming``) says."""
+    text = text.replace("'", "''")
+    if "\\" in text and not conforming:
+        return "E'" + text.replace("\\", "\\\\") + "'"
+    return "'" + text + "'"
+
+
+def _conforming(conn: Any) -> bool:
+    """standard_conforming_strings is on for ``conn`` (as libpq last heard from the server)."""
+    return conn.pgconn.parameter_status(b"standard_conforming_strings") == b"on"
+
+
+def _literal_query(sql: str, params: Mapping[str, Any], encoding: str, conforming: bool
+                   ) -> bytes | None:
+    """``sql`` with its values as literals (text, int, bytea, Jsonb, NULL) in the client
+    ``encoding``, or None when a value is of another type, holds a NUL, or the encoding
+    cannot hold it: psycopg's ClientCursor renders it then."""
+    parts, names = _split(sql)
+    out = [parts[0]]
+    for name, text in zip(names, parts[1:], strict=True):
+        value = params[name]
+        kind = type(value)
+        if value is None:
+            out.append("NULL")
+        elif kind is str:
+            if "\x00" in value:
+                return None
+            out.append(_quoted(value, conforming))
+        elif kind is int:
+            # in parentheses when negative: -9223372036854775808::bigint would cast the
+            # positive number first (and fail), as psycopg's rendering does
+            out.append(str(value) if value >= 0 else f"({value})")
+        elif kind is bytes:
+            out.append(("'\\x" if conforming else "E'\\\\x") + value.hex() + "'")
+        elif kind is Jsonb and value.dumps is not None:
+            dumped = value.dumps(value.obj)
+            if not isinstance(dumped, str) or "\x00" in dumped:
+                return None
+            out.append(_quoted(dumped, conforming))
+        else:
+            return None
+        out.append(text)
+    try:
+        return "".join(out).encode(encoding)
+    except UnicodeEncodeError:
+        return None
+
+
+def _send_params(conn: Any, query: bytes, values: list[bytes | None], types: list[int],
+                 formats: list[Format], result_format: Format) -> Any:
+    """psycopg's cursor.execute() of one statement, as a generator for ``conn.wait``."""
+    conn._check_connection_ok()
+    yield from conn._start_query()
+    pgconn = conn.pgconn
+    pgconn.send_query_params(query, values, param_types=types, param_formats=formats,
+                             result_format=result_format)
+    return (yield from _generators.execute(pgconn))
+
+
+def _send_simple(conn: Any, query: bytes) -> Any:
+    """The same for a simple Query message (several statements, text results)."""
+    conn._check_connection_ok()
+    yield from conn._start_query()
+    pgconn = conn.pgconn
+    pgconn.send_query(query)
+    return (yield from _generators.execute(pgconn))
+
+
+def _first_result(results: list[Any], encoding: str) -> Any:
+    """The first result of a send, after raising as psycopg's cursor raises for any failed
+    one (the statement's error, or COMMIT's)."""
+    if not results:
+        raise psycopg.InternalError("got no result from the query")
+    for res in results:
+        status = res.status
+        if status != _TUPLES_OK and status != _COMMAND_OK:
+            if status == _FATAL_ERROR:
+                raise _pgerrors.error_from_result(res, encoding=encoding)
+            raise psycopg.InternalError(
+                f"unexpected result status from query: {ExecStatus(status).name}")
+    return results[0]
+
+
+def _text_row(res: Any, fetch: str, encoding: str) -> Any:
+    """A text result as the dict rows fetchone()/fetchall() would give with psycopg's default
+    text loader, decoded here (no loader an application registered is involved): the
+    package's statements return text columns only (queries.py)."""
+    names = [res.fname(i).decode(encoding) for i in range(res.nfields)]
+    rows = [{name: None if (v := res.get_value(r, i)) is None else bytes(v).decode(encoding)
+             for i, name in enumerate(names)} for r in range(res.ntuples)]
+    if fetch == "one":
+        return rows[0] if rows else None
+    return rows
+
+
 def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
     if q.alone and not conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
         conn.autocommit = True
@@ -550,6 +763,13 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 conn.autocommit = False
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        encoding = conn.pgconn._encoding
+        if _OWN_SEND and _PREPARE is False:
+            bound = _bound(q.binary_sql, q.params, encoding)
+            if bound is not None:
+                with conn.lock:
+                    results = conn.wait(_send_params(conn, *bound, _BINARY))
+                return claim_result_of(_first_result(results, encoding), encoding)
         # psycopg's own cursor class, not the connection's cursor_factory (a ClientCursor
         # cannot ask for binary results)
         with psycopg.Cursor(conn) as bcur:
@@ -560,6 +780,13 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         # values bound here (psycopg quotes them for the connection's settings) and none of
         # a pipeline's machinery, which costs the app more CPU than the round trip it saves
         # (docs/benchmarks.md). An error in the statement skips the COMMIT.
+        if _OWN_SEND:
+            encoding = conn.pgconn._encoding
+            text = _literal_query(q.sql + Q.AND_COMMIT, q.params, encoding, _conforming(conn))
+            if text is not None:
+                with conn.lock:
+                    results = conn.wait(_send_simple(conn, text))
+                return _text_row(_first_result(results, encoding), q.fetch, encoding)
         with psycopg.ClientCursor(conn, row_factory=dict_row) as ccur:
             ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return ccur.fetchone() if q.fetch == "one" else ccur.fetchall()
@@ -589,10 +816,24 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 await conn.set_autocommit(False)
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        encoding = conn.pgconn._encoding
+        if _OWN_SEND and _PREPARE is False:
+            bound = _bound(q.binary_sql, q.params, encoding)
+            if bound is not None:
+                async with conn.lock:
+                    results = await conn.wait(_send_params(conn, *bound, _BINARY))
+                return claim_result_of(_first_result(results, encoding), encoding)
         async with psycopg.AsyncCursor(conn) as bcur:
             await bcur.execute(q.binary_sql, q.params, prepare=_PREPARE, binary=True)
             return claim_result_of(bcur.pgresult, conn.pgconn._encoding)
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
+        if _OWN_SEND:
+            encoding = conn.pgconn._encoding
+            text = _literal_query(q.sql + Q.AND_COMMIT, q.params, encoding, _conforming(conn))
+            if text is not None:
+                async with conn.lock:
+                    results = await conn.wait(_send_simple(conn, text))
+                return _text_row(_first_result(results, encoding), q.fetch, encoding)
         async with psycopg.AsyncClientCursor(conn, row_factory=dict_row) as ccur:
             await ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return await (ccur.fetchone() if q.fetch == "one" else ccur.fetchall())
