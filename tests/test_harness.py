@@ -29,7 +29,7 @@ from pgharness import WAIT_BOUND
 TESTS = Path(__file__).resolve().parent
 
 CHILD = textwrap.dedent("""
-    import json, os, time
+    import faulthandler, json, os, signal, time
     from pathlib import Path
     from pgharness import PgBouncer, PgServer, flavour_bindir
 
@@ -44,6 +44,9 @@ CHILD = textwrap.dedent("""
                 found.append(int(stat.parent.name))
         return found
 
+    # SIGUSR1 prints every thread's stack: what the parent shows if this pytest hangs.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+
     def test_sleep_with_servers():
         servers = [PgServer(flavour_bindir(f), name=f).start() for f in ("pg15", "pg18")]
         bouncer = PgBouncer(servers[0]).start()
@@ -56,6 +59,18 @@ CHILD = textwrap.dedent("""
         os.replace(tmp, os.environ["PIDS_FILE"])
         time.sleep(3600)
 """)
+
+
+def _diagnosis(child: subprocess.Popen[bytes], output: Path) -> str:
+    """What a hung child pytest is doing: its Python stacks (faulthandler, SIGUSR1), its
+    output so far, and the state of it and its processes, so that a failure on a busy machine
+    says where it waited."""
+    child.send_signal(signal.SIGUSR1)
+    time.sleep(2)
+    table = subprocess.run(["ps", "-o", "pid,ppid,stat,wchan:24,etime,args", "-g",
+                            str(child.pid)], capture_output=True, text=True).stdout
+    return f"\n--- output and stacks ---\n{output.read_text(errors='replace')[-8000:]}" \
+           f"\n--- its session's processes ---\n{table}"
 
 
 def _alive(pid: int) -> bool:
@@ -78,28 +93,34 @@ def test_no_server_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Si
     (tmp_path / "test_child.py").write_text(CHILD)
     pids_file = tmp_path / "pids.json"
     env = {**os.environ, "PYTHONPATH": str(TESTS), "PIDS_FILE": str(pids_file)}
-    child = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_child.py"],
-        cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+    # Its output goes to a file, not a pipe: nothing it writes can block it on a pipe nobody
+    # reads, and what it wrote is there to show when it fails.
+    output = tmp_path / "child.out"
+    with output.open("wb") as out:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_child.py"],
+            cwd=tmp_path, env=env, stdin=subprocess.DEVNULL, stdout=out,
+            stderr=subprocess.STDOUT, start_new_session=True)
     try:
         started = time.monotonic()
         while not pids_file.exists() and child.poll() is None:
             if time.monotonic() - started > START_BOUND:
+                why = _diagnosis(child, output)
                 child.kill()
-                pytest.fail(f"the child pytest did not start its servers in {START_BOUND:.0f} s:\n"
-                            + child.communicate()[0].decode(errors="replace"))
+                pytest.fail(f"the child pytest did not start its servers in {START_BOUND:.0f} s:"
+                            + why)
             time.sleep(0.2)
         if not pids_file.exists():  # the child exited first
             pytest.fail("the child pytest exited before starting its servers:\n"
-                        + child.communicate()[0].decode(errors="replace"))
+                        + output.read_text(errors="replace"))
         pids = json.loads(pids_file.read_text())
         assert len(pids) >= 5 and all(_alive(p) for p in pids)  # bouncer, postmasters, children
         child.send_signal(sig)
         try:
             child.wait(STOP_BOUND)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the child pytest was still running {STOP_BOUND:.0f} s after {sig.name}")
+            pytest.fail(f"the child pytest was still running {STOP_BOUND:.0f} s after {sig.name}"
+                        + _diagnosis(child, output))
         stopped = time.monotonic()
         while any(_alive(p) for p in pids) and time.monotonic() - stopped < STOP_BOUND:
             time.sleep(0.1)
