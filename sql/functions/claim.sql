@@ -29,56 +29,66 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
-    v_now timestamptz := CASE WHEN claim.reference_time IS NULL THEN clock_timestamp()
-        ELSE idempotency._test_clock('idempotency.claim', claim.reference_time) END;
+    v_now timestamptz := clock_timestamp();
     v_key_hash bytea;
     v_created_at timestamptz;
-    v_fingerprint bytea;
     v_existing idempotency.keys;
     v_previous bigint;
-    v_insert boolean := false;
+    v_insert boolean;
     v_result idempotency.claim_result;
 BEGIN
-    -- One inlined test for the common case; the _check_* calls say what is wrong.
-    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
-    IF NOT coalesce(idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
-                    AND idempotency._lease_ok(claim.lease), false) THEN
+    -- The common call (a fresh key, valid arguments, our own fingerprint, READ COMMITTED, no
+    -- test clock) passes one inlined test: PL/pgSQL builds each expression's executor state
+    -- once per transaction, and every claim is a transaction of its own, so each IF and
+    -- assignment costs about 2,000 CPU instructions per call however cheap its test, and
+    -- 1,500 more per function it calls (docs/benchmarks.md, "late night"). Anything else
+    -- takes the branch below, which checks in the documented order and says what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL.
+    IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
+                    AND octet_length(claim.fingerprint) = 32
+                    AND idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease)
+                    AND current_setting('transaction_isolation') = 'read committed',
+                    false) THEN
+        IF claim.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.claim', claim.reference_time);
+        END IF;
         PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
         PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
         PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
-    END IF;
-    IF claim.fingerprint IS NOT NULL THEN
-        IF claim.request IS NOT NULL THEN
+        IF claim.fingerprint IS NOT NULL THEN
+            IF claim.request IS NOT NULL THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK016',
+                    'must be NULL when request is given',
+                    'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                    || 'fingerprint, not both.');
+            ELSIF octet_length(claim.fingerprint) <> 32 THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                    format('It is %s bytes long.', octet_length(claim.fingerprint)));
+            END IF;
+        ELSIF claim.request IS NULL THEN
             PERFORM idempotency._invalid_argument(
-                'idempotency.claim', 'fingerprint', 'IK016',
-                'must be NULL when request is given',
-                'Pass either the request (hashed by idempotency.fingerprint) or your own '
-                || 'fingerprint, not both.');
-        ELSIF octet_length(claim.fingerprint) <> 32 THEN
-            PERFORM idempotency._invalid_argument(
-                'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
-                format('It is %s bytes long.', octet_length(claim.fingerprint)));
+                'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+                'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+        ELSE
+            -- The size first, before canonicalizing (see _check_size; the settings row is
+            -- read only above 64 KiB, the smallest limit allowed).
+            IF pg_column_size(claim.request) > 65536 THEN
+                PERFORM idempotency._check_size('idempotency.claim', 'request',
+                                                pg_column_size(claim.request),
+                                                'max_request_bytes');
+            END IF;
+            -- fingerprint(request) without its defaults/fields handling, saving a call. The
+            -- argument holds the fingerprint from here on, whichever way it came.
+            claim.fingerprint := sha256(convert_to(
+                idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+                'UTF8'));
         END IF;
-        v_fingerprint := claim.fingerprint;
-    ELSIF claim.request IS NULL THEN
-        PERFORM idempotency._invalid_argument(
-            'idempotency.claim', 'request', 'IK010', 'must not be NULL',
-            'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
-    ELSE
-        -- The size first, before canonicalizing (see _check_size; the settings row is read
-        -- only above 64 KiB, the smallest limit allowed).
-        IF pg_column_size(claim.request) > 65536 THEN
-            PERFORM idempotency._check_size('idempotency.claim', 'request',
-                                            pg_column_size(claim.request), 'max_request_bytes');
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            PERFORM idempotency._require_read_committed('idempotency.claim');
         END IF;
-        -- fingerprint(request) without its defaults/fields handling, saving a call.
-        v_fingerprint := sha256(convert_to(
-            idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
-            'UTF8'));
-    END IF;
-    v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
-    IF current_setting('transaction_isolation') <> 'read committed' THEN
-        PERFORM idempotency._require_read_committed('idempotency.claim');
     END IF;
 
     -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
@@ -86,86 +96,98 @@ BEGIN
     -- same key to end and then does nothing. Each later statement takes a snapshot after that,
     -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
     -- on the node that holds the scope's shard, however the call arrived.
-    FOR attempt IN 1 .. 5 LOOP
-        INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
-        VALUES (claim.scope, v_key_hash, v_now)
-        ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
-        -- A new key (the common case): its row is inserted after the loop.
-        v_insert := FOUND;
-        EXIT WHEN v_insert;
+    INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+    VALUES (claim.scope, sha256(convert_to(claim.key, 'UTF8')), v_now)
+    ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+    -- A new key (the common case) goes straight to its row below; a taken one is looked at.
+    IF NOT FOUND THEN
+        v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
+        v_insert := false;
+        FOR attempt IN 1 .. 5 LOOP
+            IF attempt > 1 THEN
+                -- Looking again (see the CONTINUEs below): the key may be free by now.
+                INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+                VALUES (claim.scope, v_key_hash, v_now)
+                ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+                v_insert := FOUND;
+                EXIT WHEN v_insert;
+            END IF;
 
-        SELECT e.created_at INTO v_created_at
-        FROM idempotency.key_directory AS e
-        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
-        IF NOT FOUND THEN
-            -- Dropped (maintain) since the insert looked: insert again.
-            CONTINUE;
-        END IF;
-        -- The row in the one partition created_at names, by a static statement on that
-        -- partition (see _make_routes).
-        v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
-        IF v_existing.scope IS NULL THEN
-            -- The key's row is gone (its partition was dropped after its retention): a
-            -- tombstone answers expired (settings.tombstones); without one the key is new
-            -- again, under the same directory row.
-            SELECT 'expired', t.response_status, t.created_at
-            INTO v_result.outcome, v_result.response_status, v_result.created_at
-            FROM idempotency.tombstones AS t
-            WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
-              AND t.created_at = v_created_at AND t.expires_at > v_now;
-            IF FOUND THEN
+            SELECT e.created_at INTO v_created_at
+            FROM idempotency.key_directory AS e
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+            IF NOT FOUND THEN
+                -- Dropped (maintain) since the insert looked: insert again.
+                CONTINUE;
+            END IF;
+            -- The row in the one partition created_at names, by a static statement on that
+            -- partition (see _make_routes).
+            v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+            IF v_existing.scope IS NULL THEN
+                -- The key's row is gone (its partition was dropped after its retention): a
+                -- tombstone answers expired (settings.tombstones); without one the key is new
+                -- again, under the same directory row.
+                SELECT 'expired', t.response_status, t.created_at
+                INTO v_result.outcome, v_result.response_status, v_result.created_at
+                FROM idempotency.tombstones AS t
+                WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+                  AND t.created_at = v_created_at AND t.expires_at > v_now;
+                IF FOUND THEN
+                    RETURN v_result;
+                END IF;
+            ELSIF v_existing.state = 'released' THEN
+                -- Released by its owner after a failure with no side effect: the key is new
+                -- again (even for another request), and its next owner's token must still be
+                -- greater than the released owner's (see _new_token). The released row goes,
+                -- compared and set on its token so that only one of two concurrent claims
+                -- takes it, by a static statement on its one partition (see _make_routes; a
+                -- DELETE on the parent would lock every partition).
+                CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
+                    claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
+                v_previous := v_existing.lease_token;
+            ELSIF v_existing.fingerprint <> claim.fingerprint THEN
+                IF claim.strict THEN
+                    RAISE EXCEPTION USING
+                        MESSAGE = format('idempotency.claim: key %s in scope %s was used with '
+                                         'a different request', to_json(claim.key),
+                                         to_json(claim.scope)),
+                        ERRCODE = 'IK002',
+                        -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                        -- replay the stored response to a caller that does not know the
+                        -- request.
+                        DETAIL = format('This request''s fingerprint is %s.',
+                                        encode(claim.fingerprint, 'hex')),
+                        HINT = 'Use a new idempotency key for a different request.';
+                END IF;
+                v_result.outcome := 'mismatch';
+                v_result.created_at := v_existing.created_at;
                 RETURN v_result;
+            ELSE
+                v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+                -- (A composite IS NOT NULL only when every field is; test the outcome.)
+                IF v_result.outcome IS NOT NULL THEN
+                    RETURN v_result;
+                END IF;
+                -- Lost a takeover race to the owner's own heartbeat/complete/release: look
+                -- again.
+                CONTINUE;
             END IF;
-        ELSIF v_existing.state = 'released' THEN
-            -- Released by its owner after a failure with no side effect: the key is new again
-            -- (even for another request), and its next owner's token must still be greater
-            -- than the released owner's (see _new_token). The released row goes, compared and
-            -- set on its token so that only one of two concurrent claims takes it, by a static
-            -- statement on its one partition (see _make_routes; a DELETE on the parent would
-            -- lock every partition).
-            CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
-                claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
-            v_previous := v_existing.lease_token;
-        ELSIF v_existing.fingerprint <> v_fingerprint THEN
-            IF claim.strict THEN
-                RAISE EXCEPTION USING
-                    MESSAGE = format('idempotency.claim: key %s in scope %s was used with a '
-                                     'different request', to_json(claim.key),
-                                     to_json(claim.scope)),
-                    ERRCODE = 'IK002',
-                    -- Never the stored fingerprint: with it, claim(fingerprint =>) would
-                    -- replay the stored response to a caller that does not know the request.
-                    DETAIL = format('This request''s fingerprint is %s.',
-                                    encode(v_fingerprint, 'hex')),
-                    HINT = 'Use a new idempotency key for a different request.';
-            END IF;
-            v_result.outcome := 'mismatch';
-            v_result.created_at := v_existing.created_at;
+            -- Gone or released: the directory row moves to the new key row, compared on the
+            -- created_at read above; a concurrent claim that moved it first makes this one
+            -- look again.
+            UPDATE idempotency.key_directory AS e
+            SET created_at = v_now
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+              AND e.created_at = v_created_at;
+            v_insert := FOUND;
+            EXIT WHEN v_insert;
+        END LOOP;
+        IF NOT v_insert THEN
+            -- Five lost races in a row means the owner is actively heartbeating: in progress.
+            v_result.outcome := 'in_progress';
+            v_result.retry_after := claim.lease;
             RETURN v_result;
-        ELSE
-            v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
-            -- (A composite IS NOT NULL only when every field is; test the outcome instead.)
-            IF v_result.outcome IS NOT NULL THEN
-                RETURN v_result;
-            END IF;
-            -- Lost a takeover race to the owner's own heartbeat/complete/release: look again.
-            CONTINUE;
         END IF;
-        -- Gone or released: the directory row moves to the new key row, compared on the
-        -- created_at read above; a concurrent claim that moved it first makes this one look
-        -- again.
-        UPDATE idempotency.key_directory AS e
-        SET created_at = v_now
-        WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
-          AND e.created_at = v_created_at;
-        v_insert := FOUND;
-        EXIT WHEN v_insert;
-    END LOOP;
-    IF NOT v_insert THEN
-        -- Five lost races in a row means the owner is actively heartbeating: in progress.
-        v_result.outcome := 'in_progress';
-        v_result.retry_after := claim.lease;
-        RETURN v_result;
     END IF;
 
     -- This claim owns the key: its row, in the partition v_now names, with a token above the
@@ -173,7 +195,7 @@ BEGIN
     INSERT INTO idempotency.keys AS k (
         scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
     )
-    VALUES (claim.scope, claim.key, v_fingerprint, 'in_progress',
+    VALUES (claim.scope, claim.key, claim.fingerprint, 'in_progress',
             idempotency._new_token(v_previous), v_now + claim.lease, v_now)
     RETURNING 'claimed', k.lease_token, k.lease_expires_at, NULL::text, k.attempts,
               NULL::integer, NULL::jsonb, NULL::jsonb, NULL::bytea, NULL::text,

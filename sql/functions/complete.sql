@@ -23,36 +23,45 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
-    v_headers jsonb := coalesce(complete.headers, '{}');
+    v_now timestamptz;
     v_completed timestamptz;
 BEGIN
-    -- One inlined test for the common case; the checks below it say what is wrong.
-    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
-    -- The sizes come first (before the headers' jsonpath test reads them): above the smallest
-    -- limits allowed (64 KiB, 4 KiB) the settings decide (_check_size), before anything is
-    -- stored.
-    IF NOT coalesce(idempotency._name_ok(complete.scope) AND idempotency._name_ok(complete.key)
+    -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
+    -- once per transaction, about 1,500 instructions per function it calls: see claim); the
+    -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
+    -- operand would make the whole test NULL. headers NULL takes the branch, which makes it
+    -- '{}'. The sizes come first there (before the headers' jsonpath test reads them): above
+    -- the smallest limits allowed (64 KiB, 4 KiB) the settings decide (_check_size), before
+    -- anything is stored.
+    IF NOT coalesce(complete.reference_time IS NULL
+                    AND idempotency._name_ok(complete.scope)
+                    AND idempotency._name_ok(complete.key)
                     AND complete.lease_token IS NOT NULL AND complete.status BETWEEN 100 AND 599
                     AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536)
-                    AND pg_column_size(v_headers) <= 4096
-                    AND idempotency._headers_ok(v_headers), false) THEN
+                    AND pg_column_size(complete.headers) <= 4096
+                    AND idempotency._headers_ok(complete.headers), false) THEN
+        complete.headers := coalesce(complete.headers, '{}');
         IF pg_column_size(complete.body) > 65536 THEN
             PERFORM idempotency._check_size('idempotency.complete', 'body',
                                             pg_column_size(complete.body), 'max_response_bytes');
         END IF;
-        IF pg_column_size(v_headers) > 4096 THEN
+        IF pg_column_size(complete.headers) > 4096 THEN
             PERFORM idempotency._check_size('idempotency.complete', 'headers',
-                                            pg_column_size(v_headers), 'max_headers_bytes');
+                                            pg_column_size(complete.headers),
+                                            'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,
                                             complete.key, complete.lease_token,
-                                            complete.status, v_headers);
+                                            complete.status, complete.headers);
+        IF complete.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.complete', complete.reference_time);
+        END IF;
     END IF;
     v_completed := idempotency._complete_row(
-        complete.scope, complete.key, complete.lease_token, NULL, complete.status, v_headers,
-        complete.body, NULL, CASE WHEN complete.body IS NULL THEN NULL ELSE 'application/json' END,
-        CASE WHEN complete.reference_time IS NULL THEN clock_timestamp()
-             ELSE idempotency._test_clock('idempotency.complete', complete.reference_time) END);
+        complete.scope, complete.key, complete.lease_token, NULL, complete.status,
+        complete.headers, complete.body, NULL,
+        CASE WHEN complete.body IS NULL THEN NULL ELSE 'application/json' END,
+        coalesce(v_now, clock_timestamp()));
     IF v_completed IS NULL THEN
         PERFORM idempotency._lease_error('idempotency.complete', complete.scope, complete.key,
                                          complete.lease_token);
