@@ -90,7 +90,7 @@ CLAIM_ABLATIONS = [
     # the fast path's one test and the branch behind it (whose body never runs here)
     ("no_checks", [(r"IF NOT coalesce\(claim\.reference_time.*?\n    END IF;\n", "")]),
     ("const_token", [(r"idempotency\._new_token\(v_previous\)", "coalesce(v_previous, 0) + 1")]),
-    ("no_keys_insert", [(r"INSERT INTO idempotency\.keys AS k.*?INTO v_result;",
+    ("no_keys_insert", [(r"INSERT INTO idempotency\.keys AS k.*?v_result\.created_at;",
                          "v_result.outcome := 'claimed';")]),
 ]
 COMPLETE_ABLATIONS = [
