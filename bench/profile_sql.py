@@ -22,7 +22,8 @@ Since 0.9.0 claim takes no advisory lock: its ``INSERT ... ON CONFLICT DO NOTHIN
 time: two PL/pgSQL levels and no directory read since 0.11.0 (three levels, through
 ``_finish``, and a directory read before). Since 0.11.0 claim and complete_bytes test their
 arguments in one inlined expression and check them one by one only when it fails; claim's new
-key goes from the directory insert straight to its row, without the retry loop.
+key goes from the directory insert straight to its row, without the retry loop; the route locks
+the parent with ``LOCK TABLE ONLY`` instead of a query.
 
 ``--ablate`` measures what each part of claim costs instead: copies of ``idempotency.claim``
 (from ``pg_get_functiondef``, so always the installed one) with one part taken out, all called

@@ -20,9 +20,6 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("_make_routes", "should be STABLE"):
         "it runs CREATE OR REPLACE FUNCTION, REVOKE and COMMENT through EXECUTE (the functions "
         "it makes are named at run time), which the checker cannot see",
-    ("_key_row", "should be STABLE"):
-        "it only reads, but claim needs each of its statements to take a snapshot of its own, "
-        "after the key lock (a STABLE function reads with its caller's)",
     ("_write_tombstones", "should be STABLE"):
         "it runs INSERT INTO idempotency.tombstones through EXECUTE (the source partition is "
         "named at run time), which the checker cannot see",
