@@ -219,11 +219,13 @@ def claim_result_of(res: Any, encoding: str) -> ClaimResult:
     ``PGresult``) in the connection's client ``encoding``: no loader is involved, so none that
     an application registered, and no session setting, changes it."""
     get = res.get_value
-    (outcome, token, expires, recovery_point, attempts, status, headers, body, body_bytes,
-     content_type, retry_after, created_at, completed_at) = [get(0, i) for i in range(13)]
-    result_outcome = Outcome(bytes(outcome).decode(encoding))
+    result_outcome = Outcome(bytes(get(0, 0)).decode(encoding))
+    token, expires, recovery_point, attempts = get(0, 1), get(0, 2), get(0, 3), get(0, 4)
+    retry_after, created_at = get(0, 10), get(0, 11)
     response = None
-    if result_outcome in (Outcome.REPLAY, Outcome.ACCEPTED):
+    if result_outcome is Outcome.REPLAY or result_outcome is Outcome.ACCEPTED:
+        (status, headers, body, body_bytes, content_type) = [get(0, i) for i in range(5, 10)]
+        completed_at = get(0, 12)
         # jsonb in binary: a version byte (1), then the text
         stored = None if body is None else json.loads(bytes(body)[1:].decode(encoding))
         raw = None if body_bytes is None else bytes(body_bytes)
@@ -444,29 +446,35 @@ _DELEGATED_BY: Final = {
 }
 
 
-@dataclass(frozen=True)
 class _Query:
-    sql: str
-    params: Mapping[str, Any]
-    fetch: str = "one"  # "one" (a dict row or None) or "all" (a list of dict rows)
-    #: The call takes a lease token: its IK003/IK004 become LeaseLost subclasses.
-    fenced: bool = False
-    #: Run it as a transaction of its own: on an idle connection that is not in autocommit,
-    #: switch autocommit on for this one statement (1 round trip instead of BEGIN, the
-    #: statement and COMMIT).
-    alone: bool = False
-    #: Commit right after it, in the same round trip (a psycopg pipeline) when libpq can.
-    commit: bool = False
-    #: The same call as ``sql`` with the whole claim_result in binary
-    #: (queries.CLAIM_BINARY): core's own drivers run it and return its
-    #: :func:`claim_result_of`; a driver that reads rows (the SQLAlchemy session's) runs
-    #: ``sql`` and hands over a dict row.
-    binary_sql: str | None = None
+    """One statement for a driver to run (a plain class with slots: one is made per call)."""
 
-    def __post_init__(self) -> None:
-        delegated = _DELEGATED_BY.get(self.sql)
-        if delegated is not None and self.params.get(delegated[1]) is None:
+    __slots__ = ("sql", "params", "fetch", "fenced", "alone", "commit", "binary_sql")
+
+    def __init__(self, sql: str, params: Mapping[str, Any], fetch: str = "one", *,
+                 fenced: bool = False, alone: bool = False, commit: bool = False,
+                 binary_sql: str | None = None) -> None:
+        delegated = _DELEGATED_BY.get(sql)
+        if delegated is not None and params.get(delegated[1]) is None:
             raise invalid_argument(*delegated, "IK010", "must not be NULL")
+        self.sql = sql
+        self.params = params
+        #: "one" (a dict row or None) or "all" (a list of dict rows)
+        self.fetch = fetch
+        #: The call takes a lease token: its IK003/IK004 become LeaseLost subclasses.
+        self.fenced = fenced
+        #: Run it as a transaction of its own: on an idle connection that is not in
+        #: autocommit, switch autocommit on for this one statement (1 round trip instead of
+        #: BEGIN, the statement and COMMIT).
+        self.alone = alone
+        #: Commit right after it, in the same round trip (one simple Query, or the caller's
+        #: pipeline).
+        self.commit = commit
+        #: The same call as ``sql`` with the whole claim_result in binary
+        #: (queries.CLAIM_BINARY): core's own drivers run it and return its
+        #: :func:`claim_result_of`; a driver that reads rows (the SQLAlchemy session's) runs
+        #: ``sql`` and hands over a dict row.
+        self.binary_sql = binary_sql
 
 
 @dataclass(frozen=True)
@@ -505,9 +513,10 @@ def _run(conn: psycopg.Connection[Any], gen: _Gen[T]) -> T:
             elif isinstance(request, _Call):
                 value = request.fn(*request.args, **request.kwargs)
             elif request is _Tx.STATE:
-                value = (conn.info.transaction_status, conn.autocommit)
+                # (libpq's status as conn.info gives it, without a ConnectionInfo per call)
+                value = (TransactionStatus(conn.pgconn.transaction_status), conn.autocommit)
             elif request is _Tx.BEGIN:
-                if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+                if conn.autocommit and conn.pgconn.transaction_status == TransactionStatus.IDLE:
                     _begin(conn)
                 value = None
             elif request is _Tx.COMMIT:
@@ -869,9 +878,9 @@ async def _arun(conn: psycopg.AsyncConnection[Any], gen: _Gen[T]) -> T:
                 if inspect.isawaitable(value):
                     value = await value
             elif request is _Tx.STATE:
-                value = (conn.info.transaction_status, conn.autocommit)
+                value = (TransactionStatus(conn.pgconn.transaction_status), conn.autocommit)
             elif request is _Tx.BEGIN:
-                if conn.autocommit and conn.info.transaction_status == TransactionStatus.IDLE:
+                if conn.autocommit and conn.pgconn.transaction_status == TransactionStatus.IDLE:
                     await _abegin(conn)
                 value = None
             elif request is _Tx.COMMIT:

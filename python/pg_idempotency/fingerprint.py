@@ -384,7 +384,10 @@ def _canonical_text(value: Any, fn: str, argument: str) -> str:
     floats (_no_float) and equal to ``value`` proves the first two; a text with no ``\\u0000``
     that encodes as UTF-8 the third; at most MAX_DEPTH brackets in all (inside strings too)
     the last. Integers are written alike by both (digits; one too long for str() raises and
-    takes the slow path). Every doubt takes the slow path, which is always right."""
+    takes the slow path). Every doubt takes the slow path, which is always right. An empty
+    dict (complete's headers, most of the time) is ``{}`` at once."""
+    if type(value) is dict and not value:
+        return "{}"
     try:
         text = _SORTED_DUMPS(value)
         if ("\\u0000" not in text and text.count("{") + text.count("[") <= MAX_DEPTH
