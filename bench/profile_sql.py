@@ -44,14 +44,26 @@ search_path differs from the last one's, so such a copy measured 200 µs, not it
 nor the PL/pgSQL around it: a function's own time minus its statements' is that rest. This is
 a profile, not a benchmark: absolute numbers move with the machine's load, proportions less.
 
+``--callgrind N`` counts CPU instructions instead of timing: N claim + complete_bytes, each in
+its own transaction, as the package sends them (named arguments with casts, claim_result's 13
+columns, complete_bytes with its epoch), in a single-user backend (``postgres --single``) under
+valgrind's callgrind, against the same run with no payment; the difference over N is what the
+server executes per payment. Deterministic to a few hundred instructions, so it resolves what
+no timing on a shared machine does (two trees compared: run it in each). The top-level
+statements are simple Query messages with literals, and the token comes from a table the claim
+fills: both add parse, analysis and planning that the package's statements do not have, the
+same in any two runs. Needs valgrind; callgrind_annotate reads the kept output file.
+
     .venv/bin/python bench/profile_sql.py [--workload middleware] [--server pg15]
                                           [--seconds 10] [--clients 2] [--ablate]
+                                          [--callgrind 300]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -151,6 +163,58 @@ def ablation_script(db: str, path: Path) -> list[Path]:
     return paths
 
 
+# --callgrind: one payment as the package sends it, with literals (a single-user backend has no
+# parameters); {k} the key
+CALLGRIND_CLAIM = (
+    "INSERT INTO bench_token SELECT '{k}', c.lease_token FROM (SELECT outcome, lease_token, "
+    "lease_expires_at, recovery_point, attempts, response_status, response_headers, "
+    "response_body, response_body_bytes, response_content_type, retry_after, created_at, "
+    "completed_at FROM idempotency.claim(scope => 'acct_1'::text, key => '{k}'::text, "
+    "request => NULL::jsonb, lease => '30 seconds'::interval, "
+    "fingerprint => sha256('{k}'::bytea)::bytea, strict => false::boolean, "
+    "reference_time => NULL::timestamptz)) AS c")
+CALLGRIND_COMPLETE = (
+    "SELECT extract(epoch FROM r)::text AS completed_at FROM idempotency.complete_bytes("
+    "scope => 'acct_1'::text, key => '{k}'::text, "
+    "lease_token => (SELECT t.token FROM bench_token AS t WHERE t.key = '{k}')::bigint, "
+    "status => 201::integer, body => '\\x7b226964223a227061795f31227d'::bytea, "
+    "content_type => 'application/json'::text, headers => '{{}}'::jsonb, "
+    "reference_time => NULL::timestamptz) AS r")
+
+
+def callgrind(server: pgharness.PgServer, tmp: Path, payments: int) -> int:
+    """Instructions per payment: a single-user backend under callgrind, N payments against 0."""
+    valgrind = shutil.which("valgrind")
+    if valgrind is None:
+        raise SystemExit("--callgrind needs valgrind (apt-get install valgrind)")
+    subprocess.run([str(server.bindir / "pg_ctl"), "stop", "-D", str(server.datadir), "-m",
+                    "fast", "-w"], check=True, capture_output=True)
+    counts = {}
+    for n in (0, payments):
+        # -j: a statement ends at a semicolon followed by an empty line
+        text = "".join(f"{stmt.format(k=f'k{i}')};\n\n" for i in range(n)
+                       for stmt in (CALLGRIND_CLAIM, CALLGRIND_COMPLETE))
+        out = tmp / f"callgrind.{n}.out"
+        run = subprocess.run(
+            [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}",
+             str(server.bindir / "postgres"), "--single", "-D", str(server.datadir),
+             "-c", "fsync=off", "-c", "synchronous_commit=off", "-c", "full_page_writes=off",
+             "-c", "shared_preload_libraries=", "-j", "bench"],
+            input="SELECT 1;\n\n" + text, capture_output=True, text=True, check=False)
+        errors = [line for line in run.stdout.splitlines() + run.stderr.splitlines()
+                  if "ERROR:" in line]
+        match = re.search(r"Collected : (\d+)", run.stderr)
+        if run.returncode != 0 or errors or not match:
+            raise SystemExit(f"callgrind run failed: {errors[:3] or run.stderr[-2000:]}")
+        counts[n] = int(match.group(1))
+        if n:
+            kept = ROOT / "build" / "profile_sql.callgrind.out"
+            shutil.copy(out, kept)
+            print(f"callgrind output of the {n} payments: {kept} (callgrind_annotate "
+                  "--inclusive=yes reads it)")
+    return (counts[payments] - counts[0]) // payments
+
+
 FUNCTIONS = """
 SELECT funcname, calls, round((total_time / calls * 1000)::numeric, 1) AS total_us,
        round((self_time / calls * 1000)::numeric, 1) AS self_us
@@ -171,6 +235,9 @@ def main() -> int:
     parser.add_argument("--protocol", default="prepared", choices=["prepared", "simple"],
                         help="pgbench -M: simple parses and plans every statement, as the "
                              "package does (prepare=False)")
+    parser.add_argument("--callgrind", type=int, metavar="N",
+                        help="count the instructions of N claim + complete_bytes in a "
+                             "single-user backend under valgrind instead of timing")
     parser.add_argument("--ablate", action="store_true",
                         help="time copies of claim and complete_bytes with one part removed")
     args = parser.parse_args()
@@ -193,6 +260,12 @@ def main() -> int:
                         "(LIKE idempotency.keys INCLUDING DEFAULTS, PRIMARY KEY (scope, key))")
         server.run_psql(db, ROOT / "bench" / "floor.sql",
                         args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        if args.callgrind:
+            server.run_psql(db, "CREATE TABLE bench_token (key text PRIMARY KEY, token bigint)")
+            per = callgrind(server, Path(tmp), args.callgrind)
+            print(f"{server.version.split(',')[0]}: {per:,} instructions per claim + "
+                  f"complete_bytes ({args.callgrind} payments, callgrind, single-user backend)")
+            return 0
 
         def pgbench(seconds: int) -> str:
             out = subprocess.run(
