@@ -34,13 +34,19 @@ after every measurement (one row per payment, no key twice). A benchmark, not a 
 prints numbers; its exit status is 1 only if a ledger is wrong.
 
     .venv/bin/python bench/operation.py [--rounds 5] [--seconds 5] [--warmup 1] [--threads 4]
-                                        [--json PATH]
+                                        [--json PATH] [--baseline DIR]
+
+--baseline DIR adds a fourth variant, ``base``: the same ``operation()`` pattern with the
+package in DIR/pg_idempotency (e.g. ``git archive`` of an earlier commit's python/), in the
+same rounds, and prints ours / base per round: a change to the package measured against its
+predecessor under the same noise.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import statistics
 import sys
@@ -129,6 +135,31 @@ def do_ours(conn: psycopg.Connection[Any], key: str, scope: str, request: dict[s
 DO = {"none": do_none, "recipe": do_recipe, "ours": do_ours}
 
 
+def load_baseline(directory: str) -> None:
+    """Import DIR/pg_idempotency as ``pg_idempotency_baseline`` (its imports are relative) and
+    add the variant ``base``, the operation() pattern through it."""
+    package = Path(directory).resolve() / "pg_idempotency"
+    spec = importlib.util.spec_from_file_location(
+        "pg_idempotency_baseline", package / "__init__.py",
+        submodule_search_locations=[str(package)])
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"--baseline: no package in {package}")
+    base = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = base
+    spec.loader.exec_module(base)
+
+    def do_base(conn: psycopg.Connection[Any], key: str, scope: str, request: dict[str, Any]
+                ) -> None:
+        with base.operation(conn, scope, key, request) as op:
+            if op.replay is not None:
+                raise RuntimeError("fresh key replayed")
+            op.conn.execute(INSERT_LEDGER, (key, scope, request["amount"],
+                                            request["currency"]))
+            op.complete(201, answer(key, request))
+
+    DO["base"] = do_base
+
+
 def measure(server: Any, dsn: str, admin: psycopg.Connection[Any], variant: str, tag: str,
             args: argparse.Namespace) -> dict[str, float]:
     admin.execute(TRUNCATE_SQL)
@@ -181,13 +212,14 @@ FIELDS = ("pg_cpu_ms", "app_cpu_ms", "rps")
 
 
 def summarise(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
+    bases = [b for b in ("recipe", "none", "base") if b in rounds[0]]
     ratios = {f"{field}_over_{base}": [r["ours"][field] / r[base][field] for r in rounds]
-              for field in FIELDS for base in ("recipe", "none")}
+              for field in FIELDS for base in bases}
     return {
         "rounds": rounds, "ratios": ratios,
         "ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
         "per_request": {field: {v: statistics.median(r[v][field] for r in rounds)
-                                for v in VARIANTS} for field in FIELDS},
+                                for v in rounds[0]} for field in FIELDS},
     }
 
 
@@ -199,7 +231,13 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--server", default="pg15", help="pgharness flavour (pg15, pg18)")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--baseline", metavar="DIR",
+                        help="also run the pattern with the package in DIR/pg_idempotency")
     args = parser.parse_args()
+    variants = VARIANTS
+    if args.baseline:
+        load_baseline(args.baseline)
+        variants = (*VARIANTS, "base")
     started = time.monotonic()
     with pgharness.PgServer(pgharness.flavour_bindir(args.server), extra_conf=DURABLE,
                             name="bench-operation") as server:
@@ -217,7 +255,7 @@ def main() -> int:
         with psycopg.connect(dsn, autocommit=True) as admin:
             for r in range(args.rounds):
                 per = {}
-                for variant in VARIANTS:
+                for variant in variants:
                     res = measure(server, dsn, admin, variant, f"{variant[0]}{r}", args)
                     per[variant] = res
                     ok = res["ledger_rows"] == res["ledger_distinct"] == res["payments"]
@@ -242,6 +280,13 @@ def main() -> int:
                  for base in ("recipe", "none")]
         print(f"| {label} | {per['none']:{fmt}} | {per['recipe']:{fmt}} | {per['ours']:{fmt}} "
               f"| {cells[0]} | {cells[1]} |")
+    if args.baseline:
+        print(f"\nours / base (the package in {args.baseline}) per round (median):\n")
+        for field, label in labels.items():
+            fmt = ".3f" if field != "rps" else ".0f"
+            print(f"- {label}: base {result['per_request'][field]['base']:{fmt}}; "
+                  + ", ".join(f"{x:.2f}" for x in result["ratios"][f"{field}_over_base"])
+                  + f" (**{result['ratio_medians'][f'{field}_over_base']:.2f}**)")
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"server": version, "threads": args.threads, "seconds": args.seconds,
