@@ -13,6 +13,7 @@ caller's business transaction. Connections from ``psycopg_pool`` work as any oth
 
 from __future__ import annotations
 
+import binascii
 import functools
 import inspect
 import json
@@ -605,13 +606,14 @@ def _numbered(sql: str) -> tuple[bytes, tuple[str, ...]]:
 
 
 @functools.lru_cache(maxsize=64)
-def _split(sql: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """A statement of queries.py as its text between placeholders, and the placeholders'
-    names: ``parts[0] + literal(names[0]) + parts[1] + ...``."""
+def _split(sql: str) -> tuple[tuple[bytes, ...], tuple[str, ...]]:
+    """A statement of queries.py as its text between placeholders (ASCII bytes: the same in
+    every client encoding), and the placeholders' names:
+    ``parts[0] + literal(names[0]) + parts[1] + ...``."""
     pieces = _PLACEHOLDER.split(sql)
     if any("%" in text for text in pieces[::2]):
         raise ValueError(f"unexpected % in a statement: {sql!r}")
-    return tuple(pieces[::2]), tuple(pieces[1::2])
+    return tuple(text.encode("ascii") for text in pieces[::2]), tuple(pieces[1::2])
 
 
 def _bound(sql: str, params: Mapping[str, Any], encoding: str
@@ -684,36 +686,40 @@ def _literal_query(sql: str, params: Mapping[str, Any], encoding: str, conformin
                    ) -> bytes | None:
     """``sql`` with its values as literals (text, int, bytea, Jsonb, NULL) in the client
     ``encoding``, or None when a value is of another type, holds a NUL, or the encoding
-    cannot hold it: psycopg's ClientCursor renders it then."""
+    cannot hold it: psycopg's ClientCursor renders it then. Built as bytes, a body's hex in
+    one piece, so that a large body is copied once into the statement (the HTTP adapters'
+    memory bounds, tests/test_http_bounds.py)."""
     parts, names = _split(sql)
     out = [parts[0]]
-    for name, text in zip(names, parts[1:], strict=True):
-        value = params[name]
-        kind = type(value)
-        if value is None:
-            out.append("NULL")
-        elif kind is str:
-            if "\x00" in value:
-                return None
-            out.append(_quoted(value, conforming))
-        elif kind is int:
-            # in parentheses when negative: -9223372036854775808::bigint would cast the
-            # positive number first (and fail), as psycopg's rendering does
-            out.append(str(value) if value >= 0 else f"({value})")
-        elif kind is bytes:
-            out.append(("'\\x" if conforming else "E'\\\\x") + value.hex() + "'")
-        elif kind is Jsonb and value.dumps is not None:
-            dumped = value.dumps(value.obj)
-            if not isinstance(dumped, str) or "\x00" in dumped:
-                return None
-            out.append(_quoted(dumped, conforming))
-        else:
-            return None
-        out.append(text)
     try:
-        return "".join(out).encode(encoding)
+        for name, text in zip(names, parts[1:], strict=True):
+            value = params[name]
+            kind = type(value)
+            if value is None:
+                out.append(b"NULL")
+            elif kind is str:
+                if "\x00" in value:
+                    return None
+                out.append(_quoted(value, conforming).encode(encoding))
+            elif kind is int:
+                # in parentheses when negative: -9223372036854775808::bigint would cast the
+                # positive number first (and fail), as psycopg's rendering does
+                out.append(str(value if value >= 0 else f"({value})").encode())
+            elif kind is bytes:
+                out.append(b"'\\x" if conforming else b"E'\\\\x")
+                out.append(binascii.hexlify(value))
+                out.append(b"'")
+            elif kind is Jsonb and value.dumps is not None:
+                dumped = value.dumps(value.obj)
+                if not isinstance(dumped, str) or "\x00" in dumped:
+                    return None
+                out.append(_quoted(dumped, conforming).encode(encoding))
+            else:
+                return None
+            out.append(text)
     except UnicodeEncodeError:
         return None
+    return b"".join(out)
 
 
 def _send_params(conn: Any, query: bytes, values: list[bytes | None], types: list[int],
