@@ -46,6 +46,11 @@ CHILD = textwrap.dedent("""
 
     # SIGUSR1 prints every thread's stack: what the parent shows if this pytest hangs.
     faulthandler.register(signal.SIGUSR1, all_threads=True)
+    # Ctrl-C reaches a pytest in a terminal's foreground, with Python's SIGINT handler. This
+    # one inherits the suite's dispositions, and a suite started in the background by a
+    # shell without job control (nohup make test &) ignores SIGINT: Python then installs no
+    # handler, and the interrupt this test sends would do nothing.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def test_sleep_with_servers():
         servers = [PgServer(flavour_bindir(f), name=f).start() for f in ("pg15", "pg18")]
