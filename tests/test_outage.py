@@ -52,7 +52,10 @@ from pgharness import WAIT_BOUND, PgServer, flavour_bindir
 APP = "outage-app"
 LEASE = 1.0
 CLIENTS = 6
-INTENTS = 6  # per client
+# per client, at least: each goes on until the server is back after the outage, so that requests
+# are in flight when it stops (a fast package got all of them through before it, and the wait
+# for 503s then had nobody to answer)
+INTENTS = 6
 ADAPTERS = ["asgi", "django", "flask", "wsgi"]
 LEDGER = "CREATE TABLE ledger (intent text NOT NULL)"
 
@@ -273,16 +276,20 @@ class Tally:
             assert self.progress.wait_for(predicate, WAIT_BOUND), f"waited in vain for {what}"
 
 
-def _client(base: str, tally: Tally, worker: int, failures: list[str]) -> None:
+def _client(base: str, tally: Tally, worker: int, failures: list[str], enough: threading.Event,
+            attempted: list[int]) -> None:
     # The bounds only stop a hang (a loaded machine answers slowly, never wrongly): a give-up
     # is a failure of the test, which expects every intent through.
     http = httpx.Client(base_url=base, timeout=WAIT_BOUND,
                         event_hooks={"response": [tally.answer]})
     client = RetryingClient(http, attempts=10_000, initial=0.05, max_delay=1.0,
                             timeout=WAIT_BOUND)
+    n = 0
     try:
-        for n in range(INTENTS):
+        while n < INTENTS or not enough.is_set():
             intent = f"w{worker}-{n}"
+            n += 1
+            attempted[worker] = n
             try:
                 response = client.post("/pay", json={"intent": intent}, key=intent)
             except httpx.TransportError as exc:
@@ -305,9 +312,11 @@ def test_outage_under_load_answers_503_and_loses_nothing(adapter: str, srv: PgSe
     dsn = _fresh(srv)
     tally = Tally()
     failures: list[str] = []
-    total = CLIENTS * INTENTS
+    enough = threading.Event()  # set once the server is back: the clients finish then
+    attempted = [0] * CLIENTS
     with _serve(adapter, dsn) as base:
-        threads = [threading.Thread(target=_client, args=(base, tally, i, failures))
+        threads = [threading.Thread(target=_client,
+                                    args=(base, tally, i, failures, enough, attempted))
                    for i in range(CLIENTS)]
         for t in threads:
             t.start()
@@ -326,9 +335,12 @@ def test_outage_under_load_answers_503_and_loses_nothing(adapter: str, srv: PgSe
             finally:
                 srv.restart()
         finally:
+            enough.set()
             for t in threads:
                 t.join(WAIT_BOUND)
     assert not any(t.is_alive() for t in threads)
+    total = sum(attempted)
+    assert total >= CLIENTS * INTENTS
     assert tally.statuses[500] == 0, tally.statuses
     assert tally.without_retry_after == 0
     assert tally.transport_errors == 0 and failures == [], failures
