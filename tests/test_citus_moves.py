@@ -111,6 +111,7 @@ class Load:
         self.cond = threading.Condition(self.lock)
         self.acked: list[tuple[str, str]] = []
         self.ack_times: dict[str, list[float]] = {t: [] for t in tenants}
+        self.acked_at: dict[tuple[str, str], float] = {}  # when, to place a loss in a phase
         self.unavailable: list[str] = []
         self.in_progress = 0
         self.other_errors: list[str] = []
@@ -182,6 +183,7 @@ class Load:
             with self.cond:
                 self.acked.append((scope, key))
                 self.ack_times[scope].append(time.monotonic())
+                self.acked_at[(scope, key)] = self.ack_times[scope][-1]
                 self.cond.notify_all()
         if conn is not None:
             conn.close()
@@ -398,7 +400,14 @@ def test_moves_and_a_split_under_load_lose_and_duplicate_nothing(moves_cluster: 
     for line in load.unavailable[:3] + load.other_errors[:10]:
         print("  ", line[:300])
     for p in lost[:10]:
-        print("   lost:", p, ledger[p], states.get(p))
+        # where the acknowledgement fell: which operation was running, or how long after the
+        # last one ended, and whether the payment's tenant was one it moved or split
+        at = load.acked_at[p]
+        where = [f"{ph.name} "
+                 + ("during" if at <= ph.end else f"{at - ph.end:+.2f} s after")
+                 + (" (its tenant)" if p[0] in ph.tenants else "")
+                 for ph in phases if at >= ph.start]
+        print("   lost:", p, ledger[p], states.get(p), where[-1:] or "before the first operation")
     assert lost == [] and duplicated == []
     assert load.other_errors == []
     assert len(load.acked) == len(set(load.acked))
