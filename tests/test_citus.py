@@ -84,6 +84,16 @@ def installed(citus_cluster: Any, prefix: str, shards: int) -> Cluster:
     return c
 
 
+def synchronous_commit(cluster: Cluster, value: str) -> None:
+    """``synchronous_commit`` for the sessions opened from now on in the cluster's database,
+    on every node (Citus does not propagate ALTER DATABASE ... SET to the workers)."""
+    for node in cluster.cluster.nodes:
+        with psycopg.connect(node.dsn(cluster.db), autocommit=True) as conn:
+            conn.execute("SET citus.enable_ddl_propagation = off")
+            conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(
+                sql.Identifier(cluster.db), sql.SQL(value)))
+
+
 @pytest.fixture(scope="session")
 def citus(citus_cluster: Any) -> Iterator[Cluster]:
     # Eight shards: enough for two nodes and a move, fewer than the default 32 to keep the

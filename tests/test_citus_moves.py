@@ -47,7 +47,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from test_citus import Cluster, installed
+from test_citus import Cluster, installed, synchronous_commit
 
 import pg_idempotency as idem
 from pgharness import WAIT_BOUND, wait_until
@@ -253,16 +253,6 @@ def _split(conn: psycopg.Connection[Any], shard: int, mode: str,
     return new
 
 
-def _synchronous_commit(cluster: Cluster, value: str) -> None:
-    """``synchronous_commit`` for the sessions opened from now on in the cluster's database,
-    on every node (Citus does not propagate ALTER DATABASE ... SET to the workers)."""
-    for node in cluster.cluster.nodes:
-        with psycopg.connect(node.dsn(cluster.db), autocommit=True) as conn:
-            conn.execute("SET citus.enable_ddl_propagation = off")
-            conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(
-                sql.Identifier(cluster.db), sql.SQL(value)))
-
-
 def _old_placement(cluster: Any, port: int, shard: int) -> set[tuple[str, str]]:
     """The payments (keys rows and ledger rows) on the placement a move just left on the worker
     at ``port``, read there while Citus has not dropped it yet (empty once it has)."""
@@ -289,7 +279,7 @@ def moves_cluster(citus_cluster: Any) -> Any:
     # loses what was committed in the last moments before its switch-over
     # (test_a_logical_move_loses_commits_made_with_synchronous_commit_off). Production keeps
     # PostgreSQL's default, on, and so does this database, on every node.
-    _synchronous_commit(cluster, "on")
+    synchronous_commit(cluster, "on")
     role = f"request_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(cluster.dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
@@ -539,7 +529,7 @@ def test_a_logical_move_loses_commits_made_with_synchronous_commit_off(
 
     wal_writer_delay("SET wal_writer_delay = '5s'")
     try:
-        _synchronous_commit(cluster, "off")  # the harness's default, said here
+        synchronous_commit(cluster, "off")  # the harness's default, said here
         acked, left = _move_under_inserts(cluster, shard, scope)
         lost = set(acked) - present()
         print(f"\n{citus_cluster.flavour}, synchronous_commit = off: {len(acked)} acknowledged,"
@@ -552,7 +542,7 @@ def test_a_logical_move_loses_commits_made_with_synchronous_commit_off(
         # lost a row there (0 of 305 and of 4,198): what is lost, wherever, was left behind.
         assert lost <= left, "the lost rows are the ones committed on the old placement"
 
-        _synchronous_commit(cluster, "on")
+        synchronous_commit(cluster, "on")
         with psycopg.connect(cluster.dsn, autocommit=True) as conn:
             conn.execute("DELETE FROM ledger WHERE account = %s", (scope,))
         acked, left = _move_under_inserts(cluster, shard, scope)

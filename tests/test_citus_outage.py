@@ -31,7 +31,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
-from test_citus import Cluster, installed
+from test_citus import Cluster, installed, synchronous_commit
 
 import pg_idempotency as idem
 from pg_idempotency.errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, is_unavailable
@@ -176,11 +176,7 @@ def outage_cluster(citus_cluster: Any) -> Any:
     # nothing else): a commit is then acknowledged before its WAL leaves the server's
     # buffers, and SIGKILL loses it. A killed worker must keep what it acknowledged, as a
     # production server does.
-    for node in cluster.cluster.nodes:
-        with psycopg.connect(node.dsn(cluster.db), autocommit=True) as conn:
-            conn.execute("SET citus.enable_ddl_propagation = off")
-            conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = on").format(
-                sql.Identifier(cluster.db)))
+    synchronous_commit(cluster, "on")
     role = f"request_{uuid.uuid4().hex[:6]}"
     with psycopg.connect(cluster.dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
