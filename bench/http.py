@@ -112,7 +112,9 @@ pgproc = _bench_module("pgproc")
 VARIANTS = ("none", "middleware", "recipe")
 LOADS = ("fresh", "replay30")
 REPLAY_SHARE = 0.30
-PROCESSOR_DELAY = 0.002
+# The handler's stand-in for the payment processor, in seconds (BENCH_PROCESSOR_DELAY: 0 shows
+# what the variants cost without a transaction held open across it).
+PROCESSOR_DELAY = float(os.environ.get("BENCH_PROCESSOR_DELAY", "0.002"))
 DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 # Server time per request: top-level statements only (what the application sends; a function's
 # inner statements are inside its call's time), utility statements (BEGIN, COMMIT) included.
