@@ -53,10 +53,13 @@ no timing on a shared machine does (two trees compared: run it in each). The top
 statements are simple Query messages with literals, and the token comes from a table the claim
 fills: both add parse, analysis and planning that the package's statements do not have, the
 same in any two runs. Needs valgrind; callgrind_annotate reads the kept output file.
+``--callgrind-texts short`` sends the same two calls in positional notation with untyped
+literals and ``SELECT *`` (no column list, no epoch conversion): what cheaper statement texts
+would save in parse, analysis and planning, the functions' work being the same.
 
     .venv/bin/python bench/profile_sql.py [--workload middleware] [--server pg15]
                                           [--seconds 10] [--clients 2] [--ablate]
-                                          [--callgrind 300]
+                                          [--callgrind 300 [--callgrind-texts short]]
 """
 
 from __future__ import annotations
@@ -181,8 +184,22 @@ CALLGRIND_COMPLETE = (
     "content_type => 'application/json'::text, headers => '{{}}'::jsonb, "
     "reference_time => NULL::timestamptz) AS r")
 
+# --callgrind-texts short: the same calls in positional notation with untyped literals and
+# claim_result's columns as * (what a cheaper statement text would save in parse, analysis and
+# planning; the functions run the same)
+CALLGRIND_CLAIM_SHORT = (
+    "INSERT INTO bench_token SELECT '{k}', c.lease_token FROM (SELECT * FROM idempotency.claim("
+    "'acct_1', '{k}', NULL, '30 seconds', sha256('{k}'::bytea), false, NULL)) AS c")
+CALLGRIND_COMPLETE_SHORT = (
+    "SELECT * FROM idempotency.complete_bytes('acct_1', '{k}', "
+    "(SELECT t.token FROM bench_token AS t WHERE t.key = '{k}'), 201, "
+    "'\\x7b226964223a227061795f31227d', 'application/json', '{{}}', NULL)")
+CALLGRIND_TEXTS = {"package": (CALLGRIND_CLAIM, CALLGRIND_COMPLETE),
+                   "short": (CALLGRIND_CLAIM_SHORT, CALLGRIND_COMPLETE_SHORT)}
 
-def callgrind(server: pgharness.PgServer, tmp: Path, payments: int) -> int:
+
+def callgrind(server: pgharness.PgServer, tmp: Path, payments: int,
+              texts: str = "package") -> int:
     """Instructions per payment: a single-user backend under callgrind, N payments against 0."""
     valgrind = shutil.which("valgrind")
     if valgrind is None:
@@ -193,7 +210,7 @@ def callgrind(server: pgharness.PgServer, tmp: Path, payments: int) -> int:
     for n in (0, payments):
         # -j: a statement ends at a semicolon followed by an empty line
         text = "".join(f"{stmt.format(k=f'k{i}')};\n\n" for i in range(n)
-                       for stmt in (CALLGRIND_CLAIM, CALLGRIND_COMPLETE))
+                       for stmt in CALLGRIND_TEXTS[texts])
         out = tmp / f"callgrind.{n}.out"
         run = subprocess.run(
             [valgrind, "--tool=callgrind", f"--callgrind-out-file={out}",
@@ -238,6 +255,9 @@ def main() -> int:
     parser.add_argument("--callgrind", type=int, metavar="N",
                         help="count the instructions of N claim + complete_bytes in a "
                              "single-user backend under valgrind instead of timing")
+    parser.add_argument("--callgrind-texts", default="package", choices=sorted(CALLGRIND_TEXTS),
+                        help="with --callgrind: the package's statement texts, or the same "
+                             "calls in short form (positional, untyped literals, *)")
     parser.add_argument("--ablate", action="store_true",
                         help="time copies of claim and complete_bytes with one part removed")
     args = parser.parse_args()
@@ -262,9 +282,10 @@ def main() -> int:
                         args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
         if args.callgrind:
             server.run_psql(db, "CREATE TABLE bench_token (key text PRIMARY KEY, token bigint)")
-            per = callgrind(server, Path(tmp), args.callgrind)
+            per = callgrind(server, Path(tmp), args.callgrind, args.callgrind_texts)
             print(f"{server.version.split(',')[0]}: {per:,} instructions per claim + "
-                  f"complete_bytes ({args.callgrind} payments, callgrind, single-user backend)")
+                  f"complete_bytes ({args.callgrind} payments, callgrind, single-user backend,"
+                  f" {args.callgrind_texts} statement texts)")
             return 0
 
         def pgbench(seconds: int) -> str:
