@@ -63,7 +63,8 @@ def _psycopg_sends(conn: psycopg.Connection[Any], sql: str, params: dict[str, An
     {"strict": None},
 ], ids=["defaults", "strict-days", "negative-lease-aware-time", "max-time", "min-time",
         "text", "nulls"])
-@pytest.mark.parametrize("sql", [Q.CLAIM_BINARY, Q.TAKEOVER_BINARY], ids=["claim", "takeover"])
+@pytest.mark.parametrize("sql", [Q.CLAIM_BINARY, Q.CLAIM_SHORT, Q.TAKEOVER_BINARY],
+                         ids=["claim", "claim-short", "takeover"])
 def test_bound_sends_what_psycopg_sends(db: str, sql: str, changes: dict[str, Any]) -> None:
     params = _claim_params(**changes)
     with psycopg.connect(db, autocommit=True) as conn:

@@ -722,6 +722,10 @@ def _literal_query(sql: str, params: Mapping[str, Any], encoding: str, conformin
     return b"".join(out)
 
 
+# The texts the own sends run in place of a binary_sql (queries.CLAIM_SHORT says why).
+_SHORT = {Q.CLAIM_BINARY: Q.CLAIM_SHORT}
+
+
 def _send_params(conn: Any, query: bytes, values: list[bytes | None], types: list[int],
                  formats: list[Format], result_format: Format) -> Any:
     """psycopg's cursor.execute() of one statement, as a generator for ``conn.wait``."""
@@ -780,7 +784,7 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         encoding = conn.pgconn._encoding
         if _OWN_SEND and _PREPARE is False:
-            bound = _bound(q.binary_sql, q.params, encoding)
+            bound = _bound(_SHORT.get(q.binary_sql, q.binary_sql), q.params, encoding)
             if bound is not None:
                 with conn.lock:
                     results = conn.wait(_send_params(conn, *bound, _BINARY))
@@ -833,7 +837,7 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         encoding = conn.pgconn._encoding
         if _OWN_SEND and _PREPARE is False:
-            bound = _bound(q.binary_sql, q.params, encoding)
+            bound = _bound(_SHORT.get(q.binary_sql, q.binary_sql), q.params, encoding)
             if bound is not None:
                 async with conn.lock:
                     results = await conn.wait(_send_params(conn, *bound, _BINARY))
