@@ -253,6 +253,29 @@ def _split(conn: psycopg.Connection[Any], shard: int, mode: str,
     return new
 
 
+def _create_ledger(conn: psycopg.Connection[Any]) -> None:
+    """The business table, co-located with the keys. No primary key: a duplicated payment must
+    show as two rows, not as an error. A replica identity, as every co-located table needs for
+    a logical move or split."""
+    conn.execute("CREATE TABLE ledger (account text NOT NULL, payment text NOT NULL,"
+                 " amount integer NOT NULL)")
+    conn.execute("ALTER TABLE ledger REPLICA IDENTITY FULL")
+    conn.execute("SELECT create_distributed_table('ledger', 'account',"
+                 " colocate_with => 'idempotency.keys')")
+
+
+def _move(conn: psycopg.Connection[Any], workers: set[int], shard: int, mode: str) -> int:
+    """Move ``shard``'s group to the other worker (ports ``workers``) in ``mode``; returns the
+    port it left."""
+    source = _node_of(conn, shard)
+    (target,) = workers - {source}
+    conn.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
+                 " shard_transfer_mode => %s::citus.shard_transfer_mode)",
+                 (shard, source, target, mode))
+    assert _node_of(conn, shard) == target, (shard, mode)
+    return source
+
+
 def _old_placement(cluster: Any, port: int, shard: int) -> set[tuple[str, str]]:
     """The payments (keys rows and ledger rows) on the placement a move just left on the worker
     at ``port``, read there while Citus has not dropped it yet (empty once it has)."""
@@ -284,13 +307,7 @@ def moves_cluster(citus_cluster: Any) -> Any:
     with psycopg.connect(cluster.dsn, autocommit=True) as conn:
         conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
         conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'request')", (role,))
-        # No primary key: a duplicated payment must show as two rows, not as an error. A
-        # replica identity, as every co-located table needs for a logical move or split.
-        conn.execute("CREATE TABLE ledger (account text NOT NULL, payment text NOT NULL,"
-                     " amount integer NOT NULL)")
-        conn.execute("ALTER TABLE ledger REPLICA IDENTITY FULL")
-        conn.execute("SELECT create_distributed_table('ledger', 'account',"
-                     " colocate_with => 'idempotency.keys')")
+        _create_ledger(conn)
         conn.execute(sql.SQL("GRANT SELECT, INSERT ON ledger TO {}").format(
             sql.Identifier(role)))
         # A logical move or split fails once its target has not advanced for this long
@@ -358,13 +375,7 @@ def test_moves_and_a_split_under_load_lose_and_duplicate_nothing(moves_cluster: 
                 mode = name.split()[1]
                 phase.start = time.monotonic()
                 if name.startswith("move"):
-                    source = _node_of(conn, move_shard)
-                    (target,) = ports - {source}
-                    conn.execute(
-                        "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1',"
-                        " %s, shard_transfer_mode => %s::citus.shard_transfer_mode)",
-                        (move_shard, source, target, mode))
-                    assert _node_of(conn, move_shard) == target, name
+                    source = _move(conn, ports, move_shard, mode)
                     left_behind[name] = _old_placement(cluster, source, move_shard)
                 else:
                     made = _split(conn, split_shard, mode, nodeids)
@@ -479,11 +490,7 @@ def _move_under_inserts(cluster: Cluster, shard: int, scope: str) -> tuple[list[
     try:
         with psycopg.connect(cluster.dsn, autocommit=True) as conn:
             wait_until(lambda: len(acked) >= 50, "inserts before the move")
-            source = _node_of(conn, shard)
-            (target,) = {w.port for w in cluster.workers} - {source}
-            conn.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s)",
-                         (shard, source, target))
-            assert _node_of(conn, shard) == target
+            source = _move(conn, {w.port for w in cluster.workers}, shard, "auto")
         left = {p for s, p in _old_placement(cluster, source, shard) if s == scope}
         done = len(acked)
         wait_until(lambda: len(acked) >= done + 50, "inserts after the move")
@@ -508,11 +515,7 @@ def test_a_logical_move_loses_commits_made_with_synchronous_commit_off(
     cluster = installed(citus_cluster, "idem_async", 4)
     scope = f"tenant_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(cluster.dsn, autocommit=True) as conn:
-        conn.execute("CREATE TABLE ledger (account text NOT NULL, payment text NOT NULL,"
-                     " amount integer NOT NULL)")
-        conn.execute("ALTER TABLE ledger REPLICA IDENTITY FULL")
-        conn.execute("SELECT create_distributed_table('ledger', 'account',"
-                     " colocate_with => 'idempotency.keys')")
+        _create_ledger(conn)
         shard = _shard_of(conn, scope)
     workers = [w.dsn(cluster.db) for w in cluster.workers]
 
