@@ -45,21 +45,23 @@ nor the PL/pgSQL around it: a function's own time minus its statements' is that 
 a profile, not a benchmark: absolute numbers move with the machine's load, proportions less.
 
 ``--callgrind N`` counts CPU instructions instead of timing: N claim + complete_bytes, each in
-its own transaction, as the package sends them (named arguments with casts, claim_result's 13
-columns, complete_bytes with its epoch), in a single-user backend (``postgres --single``) under
-valgrind's callgrind, against the same run with no payment; the difference over N is what the
-server executes per payment. Deterministic to a few hundred instructions, so it resolves what
-no timing on a shared machine does (two trees compared: run it in each). The top-level
-statements are simple Query messages with literals, and the token comes from a table the claim
-fills: both add parse, analysis and planning that the package's statements do not have, the
-same in any two runs. Needs valgrind; callgrind_annotate reads the kept output file.
-``--callgrind-texts short`` sends the same two calls in positional notation with untyped
-literals and ``SELECT *`` (no column list, no epoch conversion): what cheaper statement texts
-would save in parse, analysis and planning, the functions' work being the same.
+its own transaction, in a single-user backend (``postgres --single``) under valgrind's
+callgrind, against the same run with no payment; the difference over N is what the server
+executes per payment. Deterministic to a few hundred instructions, so it resolves what no
+timing on a shared machine does (two trees compared: run it in each). The top-level statements
+are simple Query messages with literals, and the token comes from a table the claim fills: both
+add parse, analysis and planning that the package's statements do not have, the same for every
+text. Needs valgrind; callgrind_annotate reads the kept output file. ``--callgrind-texts``
+picks the statement texts, the functions' work being the same: ``package`` (the default) the
+package's own sends (positional, untyped, each call in the select list), ``named`` the named and
+cast texts with claim_result's 13 columns and complete's epoch (the prepared opt-in's, the
+fallback's, docs/other-languages.md's), ``epoch`` the package's claim with the named complete
+(its own sends under a DateStyle other than ISO), ``from`` positional calls in FROM with
+``SELECT *``.
 
     .venv/bin/python bench/profile_sql.py [--workload middleware] [--server pg15]
                                           [--seconds 10] [--clients 2] [--ablate]
-                                          [--callgrind 300 [--callgrind-texts short]]
+                                          [--callgrind 300 [--callgrind-texts named]]
 """
 
 from __future__ import annotations
@@ -166,9 +168,16 @@ def ablation_script(db: str, path: Path) -> list[Path]:
     return paths
 
 
-# --callgrind: one payment as the package sends it, with literals (a single-user backend has no
-# parameters); {k} the key
-CALLGRIND_CLAIM = (
+# --callgrind: one payment with literals (a single-user backend has no parameters); {k} the key.
+# --callgrind-texts picks the statement texts:
+#   named    the named, cast texts (queries.CLAIM_BINARY, COMPLETE_BYTES: claim_result's 13
+#            columns, complete's time as epoch text): what a prepared statement (the opt-in),
+#            the cursor's fallback and other drivers following docs/other-languages.md send
+#   package  the package's own sends (queries.CLAIM_SHORT, COMPLETE_BYTES_SHORT under DateStyle
+#            ISO): positional, untyped literals, each call in the select list
+#   epoch    the package's claim with the named complete (its own sends under another DateStyle)
+#   from     positional and untyped, each call in FROM with SELECT * (no epoch conversion)
+NAMED_CLAIM = (
     "INSERT INTO bench_token SELECT '{k}', c.lease_token FROM (SELECT outcome, lease_token, "
     "lease_expires_at, recovery_point, attempts, response_status, response_headers, "
     "response_body, response_body_bytes, response_content_type, retry_after, created_at, "
@@ -176,26 +185,27 @@ CALLGRIND_CLAIM = (
     "request => NULL::jsonb, lease => '30 seconds'::interval, "
     "fingerprint => sha256('{k}'::bytea)::bytea, strict => false::boolean, "
     "reference_time => NULL::timestamptz)) AS c")
-CALLGRIND_COMPLETE = (
+NAMED_COMPLETE = (
     "SELECT extract(epoch FROM r)::text AS completed_at FROM idempotency.complete_bytes("
     "scope => 'acct_1'::text, key => '{k}'::text, "
     "lease_token => (SELECT t.token FROM bench_token AS t WHERE t.key = '{k}')::bigint, "
     "status => 201::integer, body => '\\x7b226964223a227061795f31227d'::bytea, "
     "content_type => 'application/json'::text, headers => '{{}}'::jsonb, "
     "reference_time => NULL::timestamptz) AS r")
-
-# --callgrind-texts short: the same calls in positional notation with untyped literals and
-# claim_result's columns as * (what a cheaper statement text would save in parse, analysis and
-# planning; the functions run the same)
-CALLGRIND_CLAIM_SHORT = (
+_ARGS = ("'acct_1', '{k}', (SELECT t.token FROM bench_token AS t WHERE t.key = '{k}'), 201, "
+         "'\\x7b226964223a227061795f31227d', 'application/json', '{{}}', NULL")
+PACKAGE_CLAIM = (
+    "INSERT INTO bench_token SELECT '{k}', (c.r).lease_token FROM (SELECT idempotency.claim("
+    "'acct_1', '{k}', NULL, '30 seconds', sha256('{k}'::bytea), false, NULL) AS r) AS c")
+PACKAGE_COMPLETE = f"SELECT idempotency.complete_bytes({_ARGS}) AS completed_at"
+FROM_CLAIM = (
     "INSERT INTO bench_token SELECT '{k}', c.lease_token FROM (SELECT * FROM idempotency.claim("
     "'acct_1', '{k}', NULL, '30 seconds', sha256('{k}'::bytea), false, NULL)) AS c")
-CALLGRIND_COMPLETE_SHORT = (
-    "SELECT * FROM idempotency.complete_bytes('acct_1', '{k}', "
-    "(SELECT t.token FROM bench_token AS t WHERE t.key = '{k}'), 201, "
-    "'\\x7b226964223a227061795f31227d', 'application/json', '{{}}', NULL)")
-CALLGRIND_TEXTS = {"package": (CALLGRIND_CLAIM, CALLGRIND_COMPLETE),
-                   "short": (CALLGRIND_CLAIM_SHORT, CALLGRIND_COMPLETE_SHORT)}
+FROM_COMPLETE = f"SELECT * FROM idempotency.complete_bytes({_ARGS})"
+CALLGRIND_TEXTS = {"named": (NAMED_CLAIM, NAMED_COMPLETE),
+                   "package": (PACKAGE_CLAIM, PACKAGE_COMPLETE),
+                   "epoch": (PACKAGE_CLAIM, NAMED_COMPLETE),
+                   "from": (FROM_CLAIM, FROM_COMPLETE)}
 
 
 def callgrind(server: pgharness.PgServer, tmp: Path, payments: int,
@@ -255,9 +265,9 @@ def main() -> int:
     parser.add_argument("--callgrind", type=int, metavar="N",
                         help="count the instructions of N claim + complete_bytes in a "
                              "single-user backend under valgrind instead of timing")
-    parser.add_argument("--callgrind-texts", default="package", choices=sorted(CALLGRIND_TEXTS),
-                        help="with --callgrind: the package's statement texts, or the same "
-                             "calls in short form (positional, untyped literals, *)")
+    parser.add_argument("--callgrind-texts", default="package", choices=list(CALLGRIND_TEXTS),
+                        help="with --callgrind: which statement texts (the comment above "
+                             "CALLGRIND_TEXTS): the package's own sends by default")
     parser.add_argument("--ablate", action="store_true",
                         help="time copies of claim and complete_bytes with one part removed")
     args = parser.parse_args()

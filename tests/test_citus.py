@@ -196,6 +196,36 @@ def test_per_key_calls_run_on_one_worker_in_one_hop(citus: Cluster) -> None:
                             (scope,)).fetchone() == ("completed",)
 
 
+@pytest.mark.parametrize("datestyle", ["ISO, MDY", "SQL, DMY"])
+def test_the_packages_own_sends_run_on_one_worker_in_one_hop(citus: Cluster, datestyle: str
+                                                             ) -> None:
+    """operation()'s claim (queries.CLAIM_SHORT, in the select list) and complete + COMMIT (the
+    short form under DateStyle ISO, the epoch form under another) each reach the scope's
+    worker as one command with the call: delegated, no statement of the bodies run from the
+    coordinator."""
+    scope = _scope()
+    with psycopg.connect(citus.dsn, autocommit=True,
+                         options=f"-c DateStyle={datestyle.replace(' ', '')}") as conn:
+        notices: list[str] = []
+        conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        conn.execute("SET citus.log_remote_commands = on")
+        conn.execute("SET client_min_messages = log")
+        notices.clear()
+        with idem.operation(conn, scope, "k", {"a": 1}) as op:
+            claim_cmds = [n for n in notices if n.startswith("issuing")]
+            notices.clear()
+            stored = op.complete(201, {"b": 2})
+        complete_cmds = [n for n in notices if n.startswith("issuing")]
+    assert len(claim_cmds) == 1 and "idempotency.claim(" in claim_cmds[0], claim_cmds
+    calls = [c for c in complete_cmds if "idempotency.complete_bytes(" in c]
+    assert len(calls) == 1, complete_cmds
+    assert not [c for c in claim_cmds + complete_cmds
+                if "idempotency.keys" in c or "key_directory" in c], complete_cmds
+    with psycopg.connect(citus.node_of(scope), autocommit=True) as conn:
+        assert conn.execute("SELECT state, completed_at FROM idempotency.keys WHERE scope = %s",
+                            (scope,), binary=True).fetchone() == ("completed", stored.completed_at)
+
+
 def test_a_session_does_not_grow_with_every_call(citus: Cluster) -> None:
     """Citus 13.2.2 and 14.0.1 keep a new local plan for every execution of a cached generic
     plan whose shard is pruned at run time (citusdata/citus#8824): a PL/pgSQL statement by

@@ -11,6 +11,10 @@ what the server reads back, on real servers.
   quoting, and with a text loader registered on the connection (the package decodes its own
   results); a value psycopg refuses (NUL, a character the client encoding lacks) is refused as
   before, by psycopg.
+- The short complete (its time as the server prints it in DateStyle ISO) goes only while the
+  session's DateStyle is ISO, a SET LOCAL in the business transaction included, and
+  core._iso_time reads the server's own text of instants in zones with offsets in minutes and
+  seconds.
 """
 
 from __future__ import annotations
@@ -243,3 +247,73 @@ def test_complete_error_and_commit_error_raise_as_before(db: str) -> None:
         assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
         with idem.operation(conn, "s", "deferred", {"a": 1}) as op:
             assert op.replay is None and op.lease_token is not None
+
+
+ZONES = ["UTC", "Pacific/Chatham", "America/St_Johns", "Asia/Kathmandu", "Africa/Monrovia",
+         "Europe/Amsterdam", "America/Los_Angeles"]
+INSTANTS = [
+    datetime(1970, 1, 1, tzinfo=timezone.utc),
+    datetime(1971, 6, 1, 12, 0, 0, 500000, tzinfo=timezone.utc),   # Monrovia: -00:44:30
+    datetime(1937, 6, 1, 12, 0, 0, 10, tzinfo=timezone.utc),       # Amsterdam: +00:19:32
+    datetime(2024, 3, 31, 1, 0, 0, 120000, tzinfo=timezone.utc),   # a DST change in Europe
+    datetime(2026, 12, 6, 4, 30, 0, 123456, tzinfo=timezone.utc),
+    datetime(9998, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc),
+]
+
+
+@pytest.mark.parametrize("datestyle", ["ISO, MDY", "ISO, DMY", "ISO, YMD"])
+def test_iso_time_reads_what_the_server_prints(db: str, datestyle: str) -> None:
+    """core._iso_time, which reads the short complete's result, against the server's own text
+    of the same instants, in time zones with offsets in minutes and seconds."""
+    with psycopg.connect(db, autocommit=True) as conn:
+        conn.execute("SELECT set_config('DateStyle', %s, false)", (datestyle,))
+        assert core._iso_dates(conn)
+        for zone in ZONES:
+            conn.execute("SELECT set_config('TimeZone', %s, false)", (zone,))
+            for instant in INSTANTS:
+                res = conn.pgconn.exec_(
+                    f"SELECT '{instant.isoformat()}'::timestamptz".encode())
+                text = res.get_value(0, 0)
+                assert text is not None
+                assert core._iso_time(bytes(text)) == instant, (zone, bytes(text))
+        conn.execute("SET DateStyle = 'SQL, DMY'")
+        assert not core._iso_dates(conn)
+        res = conn.pgconn.exec_(b"SELECT now()")
+        with pytest.raises(psycopg.DataError, match="DateStyle ISO"):
+            core._iso_time(bytes(res.get_value(0, 0) or b""))
+
+
+def _stored_completed_at(db: str, scope: str, key: str) -> datetime:
+    with psycopg.connect(db, autocommit=True) as conn:
+        row = conn.execute("SELECT completed_at FROM idempotency.keys WHERE scope = %s "
+                           "AND key = %s", (scope, key), binary=True).fetchone()
+    assert row is not None
+    return row[0]
+
+
+@pytest.mark.parametrize("local", [None, "ISO, DMY", "SQL, DMY", "German"])
+@pytest.mark.parametrize("session", ["ISO, MDY", "Postgres, MDY"])
+def test_complete_short_form_follows_the_datestyle(db: str, session: str, local: str | None
+                                                   ) -> None:
+    """The short complete (the server's text of completed_at) goes only when the session
+    prints DateStyle ISO at that moment, a SET LOCAL in the business transaction included;
+    otherwise the epoch form. completed_at is the stored instant either way, in a zone whose
+    offset has minutes."""
+    scope, key = "dates", f"{session}/{local}"
+    with psycopg.connect(db, autocommit=True, options=f"-c DateStyle={session.replace(' ', '')}"
+                         " -c TimeZone=Pacific/Chatham") as conn:
+        with idem.operation(conn, scope, key, {"a": 1}) as op:
+            if local is not None:
+                conn.execute(f"SET LOCAL DateStyle = '{local}'")
+            iso = (local or session).startswith("ISO")
+            assert core._iso_dates(conn) is iso
+            q, _ = core._complete_parts(scope, key, 1, 201, b"{}", None, None, None, True)
+            text, short = core._commit_text(conn, q, conn.pgconn._encoding)
+            assert short is iso and text is not None
+            assert text.lstrip().startswith(
+                b"SELECT idempotency.complete_bytes(" if iso else b"SELECT extract(epoch")
+            stored = op.complete(201, {"b": 2})
+        assert stored.completed_at == _stored_completed_at(db, scope, key)
+        assert stored.completed_at is not None and stored.completed_at.tzinfo is not None
+        with idem.operation(conn, scope, key, {"a": 1}) as op:
+            assert op.replay is not None and op.replay.completed_at == stored.completed_at

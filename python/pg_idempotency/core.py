@@ -214,19 +214,47 @@ def _binary_interval(data: bytes | None) -> timedelta | None:
                                 f"{Decimal(us).scaleb(-6)} s") from None
 
 
+_OID_AND_LENGTH = struct.Struct(">Ii").unpack_from
+
+
+def _record_fields(data: bytes) -> list[bytes | None]:
+    """The fields of a composite value in binary (PostgreSQL's record_send: their count, then
+    each one's type OID, length, or -1 for NULL, and bytes)."""
+    (count,) = _INT4(data[:4])
+    fields: list[bytes | None] = []
+    pos = 4
+    for _ in range(count):
+        _oid, length = _OID_AND_LENGTH(data, pos)
+        pos += 8
+        if length < 0:
+            fields.append(None)
+        else:
+            fields.append(data[pos:pos + length])
+            pos += length
+    return fields
+
+
 def claim_result_of(res: Any, encoding: str) -> ClaimResult:
     """The :class:`ClaimResult` of queries.CLAIM_BINARY or TAKEOVER_BINARY (claim_result's 13
-    columns in their order) run with binary results, read from the raw result ``res`` (a psycopg
-    ``PGresult``) in the connection's client ``encoding``: no loader is involved, so none that
-    an application registered, and no session setting, changes it."""
-    get = res.get_value
-    result_outcome = Outcome(bytes(get(0, 0)).decode(encoding))
-    token, expires, recovery_point, attempts = get(0, 1), get(0, 2), get(0, 3), get(0, 4)
-    retry_after, created_at = get(0, 10), get(0, 11)
+    columns in their order), or of CLAIM_SHORT (claim_result as one composite value), run with
+    binary results, read from the raw result ``res`` (a psycopg ``PGresult``) in the
+    connection's client ``encoding``: no loader is involved, so none that an application
+    registered, and no session setting, changes it."""
+    if res.nfields == 1:
+        record = res.get_value(0, 0)
+        if record is None:
+            raise psycopg.DataError("claim returned NULL")
+        values = _record_fields(bytes(record))
+    else:
+        get = res.get_value
+        values = [get(0, i) for i in range(13)]
+    result_outcome = Outcome(bytes(values[0]).decode(encoding))
+    token, expires, recovery_point, attempts = values[1:5]
+    retry_after, created_at = values[10], values[11]
     response = None
     if result_outcome is Outcome.REPLAY or result_outcome is Outcome.ACCEPTED:
-        (status, headers, body, body_bytes, content_type) = [get(0, i) for i in range(5, 10)]
-        completed_at = get(0, 12)
+        (status, headers, body, body_bytes, content_type) = values[5:10]
+        completed_at = values[12]
         # jsonb in binary: a version byte (1), then the text
         stored = None if body is None else json.loads(bytes(body)[1:].decode(encoding))
         raw = None if body_bytes is None else bytes(body_bytes)
@@ -351,15 +379,18 @@ def _delta(text: str) -> timedelta:
 
 
 @overload
-def load_time(text: str) -> datetime: ...
+def load_time(text: str | datetime) -> datetime: ...
 @overload
 def load_time(text: None) -> None: ...
-def load_time(text: str | None) -> datetime | None:
+def load_time(text: str | datetime | None) -> datetime | None:
     """A timestamptz column that queries.py sends as seconds since 1970-01-01 UTC (numeric
     text), as an aware datetime in UTC: the same instant, to the microsecond, under every
-    DateStyle and TimeZone."""
+    DateStyle and TimeZone. A datetime (the own sends' short complete reads its time itself)
+    is returned as it is."""
     if text is None:
         return None
+    if type(text) is datetime:
+        return text
     try:
         return _EPOCH + _delta(text)
     except OverflowError:
@@ -722,8 +753,56 @@ def _literal_query(sql: str, params: Mapping[str, Any], encoding: str, conformin
     return b"".join(out)
 
 
-# The texts the own sends run in place of a binary_sql (queries.CLAIM_SHORT says why).
+# The texts the own sends run in place of a binary_sql (queries.CLAIM_SHORT says why), and in
+# place of a complete + COMMIT's under DateStyle ISO (queries.COMPLETE_SHORT).
 _SHORT = {Q.CLAIM_BINARY: Q.CLAIM_SHORT}
+_SHORT_COMMIT = {Q.COMPLETE: Q.COMPLETE_SHORT, Q.COMPLETE_BYTES: Q.COMPLETE_BYTES_SHORT}
+
+#: A timestamptz as DateStyle ISO prints it, for years 1000 to 9999 (the engine's times are in
+#: 1970-9998): seconds' fraction without trailing zeros, the zone's offset as +HH, +HH:MM or
+#: +HH:MM:SS (a local mean time).
+_ISO_TIME = re.compile(rb"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6}))?"
+                       rb"([+-])(\d\d)(?::(\d\d))?(?::(\d\d))?")
+
+
+def _iso_dates(conn: Any) -> bool:
+    """The server prints dates in DateStyle ISO to ``conn`` (as libpq last heard from it: the
+    server reports every change of DateStyle, SET LOCAL included, before it is ready for the
+    next query)."""
+    style = conn.pgconn.parameter_status(b"DateStyle")
+    return style is not None and style.startswith(b"ISO")
+
+
+def _iso_time(text: bytes | None) -> datetime | None:
+    """A timestamptz printed in DateStyle ISO, in any TimeZone, as an aware datetime in UTC."""
+    if text is None:
+        return None
+    m = _ISO_TIME.fullmatch(text)
+    if m is None:
+        raise psycopg.DataError(f"not a timestamptz in DateStyle ISO: {bytes(text)!r}")
+    year, month, day, hour, minute, second, fraction, sign, zh, zm, zs = m.groups()
+    offset = int(zh) * 3600 + int(zm or 0) * 60 + int(zs or 0)
+    local = datetime(int(year), int(month), int(day), int(hour), int(minute), int(second),
+                     int(fraction.ljust(6, b"0")) if fraction else 0, tzinfo=timezone.utc)
+    return local - timedelta(seconds=offset if sign == b"+" else -offset)
+
+
+def _commit_text(conn: Any, q: _Query, encoding: str) -> tuple[bytes | None, bool]:
+    """A complete + COMMIT (any statement + COMMIT) as one simple Query's text with its values
+    as literals (None: psycopg's ClientCursor renders it), and whether it is the short form,
+    whose one column is a timestamptz in DateStyle ISO (queries.COMPLETE_SHORT)."""
+    short = _SHORT_COMMIT.get(q.sql) if _iso_dates(conn) else None
+    text = _literal_query((short or q.sql) + Q.AND_COMMIT, q.params, encoding,
+                          _conforming(conn))
+    return text, short is not None
+
+
+def _commit_row(res: Any, short: bool, fetch: str, encoding: str) -> Any:
+    """The row of a send of :func:`_commit_text`: for the short form ``{"completed_at":
+    datetime}``, which :func:`load_time` returns as it is."""
+    if short:
+        return {"completed_at": _iso_time(res.get_value(0, 0))}
+    return _text_row(res, fetch, encoding)
 
 
 def _send_params(conn: Any, query: bytes, values: list[bytes | None], types: list[int],
@@ -801,11 +880,11 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         # (docs/benchmarks.md). An error in the statement skips the COMMIT.
         if _OWN_SEND:
             encoding = conn.pgconn._encoding
-            text = _literal_query(q.sql + Q.AND_COMMIT, q.params, encoding, _conforming(conn))
+            text, short = _commit_text(conn, q, encoding)
             if text is not None:
                 with conn.lock:
                     results = conn.wait(_send_simple(conn, text))
-                return _text_row(_first_result(results, encoding), q.fetch, encoding)
+                return _commit_row(_first_result(results, encoding), short, q.fetch, encoding)
         with psycopg.ClientCursor(conn, row_factory=dict_row) as ccur:
             ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return ccur.fetchone() if q.fetch == "one" else ccur.fetchall()
@@ -848,11 +927,11 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         if _OWN_SEND:
             encoding = conn.pgconn._encoding
-            text = _literal_query(q.sql + Q.AND_COMMIT, q.params, encoding, _conforming(conn))
+            text, short = _commit_text(conn, q, encoding)
             if text is not None:
                 async with conn.lock:
                     results = await conn.wait(_send_simple(conn, text))
-                return _text_row(_first_result(results, encoding), q.fetch, encoding)
+                return _commit_row(_first_result(results, encoding), short, q.fetch, encoding)
         async with psycopg.AsyncClientCursor(conn, row_factory=dict_row) as ccur:
             await ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return await (ccur.fetchone() if q.fetch == "one" else ccur.fetchall())

@@ -73,16 +73,20 @@ SELECT {_BINARY_COLUMNS} FROM idempotency.claim(
 """
 
 # What the package's own sends run for CLAIM_BINARY (core._execute: unprepared, its parameters
-# with the types core._bound gives them): the same call positionally, without casts, and the
-# result as * (claim_result's columns in their order, which core.claim_result_of reads by
-# position; a column a later migration appends comes after them). Parse, analysis and planning
-# of this text cost the server about 110,000 CPU instructions less per claim than
-# CLAIM_BINARY's (bench/profile_sql.py --callgrind-texts, docs/benchmarks.md). It relies on
-# what CLAIM_BINARY's named notation and casts do not: claim keeps its first seven arguments in
-# this order (the engine only appends defaulted ones) and has no overload. A prepared statement
-# (the opt-in) and the cursor's fallback run CLAIM_BINARY.
+# with the types core._bound gives them): the same call positionally, without casts, in the
+# select list, so that claim_result comes back as one composite value (in binary: its columns
+# in their order, each with its type's OID, which core.claim_result_of reads by position; a
+# column a later migration appends comes after them). Parse, analysis and planning of this
+# text cost the server about 110,000 CPU instructions less per claim than CLAIM_BINARY's
+# (named notation, casts, 13 named columns), and the select-list call about 56,000 less than
+# the same call in FROM, whose function scan keeps its row in a tuplestore
+# (bench/profile_sql.py --callgrind-texts, docs/benchmarks.md). Citus delegates it to the
+# scope's worker as it does the FROM form. It relies on what CLAIM_BINARY's named notation and
+# casts do not: claim keeps its first seven arguments in this order (the engine only appends
+# defaulted ones) and has no overload. A prepared statement (the opt-in) and the cursor's
+# fallback run CLAIM_BINARY.
 CLAIM_SHORT: Final = """
-SELECT * FROM idempotency.claim(
+SELECT idempotency.claim(
     %(scope)s, %(key)s, %(request)s, %(lease)s, %(fingerprint)s, %(strict)s, %(reference_time)s)
 """
 
@@ -127,6 +131,24 @@ FROM idempotency.complete_bytes(
     content_type => %(content_type)s::text, headers => %(headers)s::jsonb,
     reference_time => %(reference_time)s::timestamptz) AS r
 """
+
+# What the package's own sends run for COMPLETE and COMPLETE_BYTES + COMMIT (core._execute, a
+# simple Query with literals) when the session prints dates in DateStyle ISO, as libpq last
+# heard from the server: the call positionally, with untyped literals, in the select list, its
+# timestamptz as the server prints it, which core._iso_time reads in every TimeZone. About
+# 130,000 server CPU instructions less per complete than COMPLETE_BYTES' named, cast, epoch
+# converting text (bench/profile_sql.py --callgrind-texts). Under another DateStyle the package
+# sends COMPLETE_BYTES, whose epoch is the same in any. The same conditions as CLAIM_SHORT:
+# arguments only appended, no overload.
+COMPLETE_SHORT: Final = """
+SELECT idempotency.complete(
+    %(scope)s, %(key)s, %(lease_token)s, %(status)s, %(body)s, %(headers)s, %(reference_time)s
+) AS completed_at"""
+
+COMPLETE_BYTES_SHORT: Final = """
+SELECT idempotency.complete_bytes(
+    %(scope)s, %(key)s, %(lease_token)s, %(status)s, %(body)s, %(content_type)s, %(headers)s,
+    %(reference_time)s) AS completed_at"""
 
 ACCEPT: Final = """
 SELECT extract(epoch FROM r)::text AS lease_expires_at,
