@@ -12,7 +12,7 @@
 #   make release VERSION=X.Y.Z   tools/release.py: check, freeze, date, commit, tag
 #                (DRY_RUN=1: the checks alone; docs/releasing.md)
 #   make lint    ruff + sqlfluff
-#   make bench   benchmarks (bench/operation.py, bench/run.py, bench/partitions.py,
+#   make bench   benchmarks (bench/operation.py, bench/instructions.py, bench/run.py, bench/partitions.py,
 #                bench/http.py, bench/retention.py, bench/citus.py), then bench/targets.py:
 #                issue 32's targets, met or not, and docs/benchmarks-cpu.png; results in
 #                docs/benchmarks.md.
@@ -181,6 +181,8 @@ bench: setup
 	@# first so that a failed run shows as "not measured"
 	mkdir -p build/bench && rm -f build/bench/*.json && chown -R $(TEST_USER) build/bench 2>/dev/null || true
 	$(AS_TEST_USER) $(PY) bench/operation.py --json build/bench/operation.json
+	@$(MAKE) --no-print-directory deb-deps DEB_PKGS=valgrind
+	$(AS_TEST_USER) $(PY) bench/instructions.py --json build/bench/instructions.json
 	$(AS_TEST_USER) $(PY) bench/run.py --clients 4,8 --json build/bench/run.json
 	@# the plots are written where the test user may write, then put in docs/
 	$(AS_TEST_USER) $(PY) bench/partitions.py --plot build/benchmarks-partitions.png \

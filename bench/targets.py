@@ -12,6 +12,8 @@ variant (none, recipe, ours), for the operation() pattern and for each HTTP load
   citus       bench/citus.py --json:      what Citus adds to claim + complete and to the
                                           recipe's two statements; workers' CPU / one server's
   partitions  bench/partitions.py --json: 100 partitions / 5, 10 M keys / an empty install
+  instructions bench/instructions.py --json: a payment's CPU instructions in its backend
+                                          (context, not a target)
 
     .venv/bin/python bench/targets.py [--dir build/bench] [--plot PATH]
 
@@ -42,7 +44,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 OUT = ROOT / "build" / "bench"
-FILES = ("operation", "http", "run", "citus", "partitions")
+FILES = ("operation", "http", "run", "citus", "partitions", "instructions")
 
 Row = tuple[str, str, str, str]
 
@@ -152,14 +154,22 @@ def partitions_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
 
 
 def context_rows(op: dict[str, Any] | None, http: dict[str, Any] | None,
-                 run: dict[str, Any] | None, citus: dict[str, Any] | None) -> list[tuple[str, ...]]:
-    """Figures that are not targets: throughput of operation() against the recipe, the
-    retired statement-time and WAL ratios, the server's run-queue wait per HTTP request, what
-    Citus adds in µs, and pgbench's floor / bare."""
+                 run: dict[str, Any] | None, citus: dict[str, Any] | None,
+                 instructions: dict[str, Any] | None = None) -> list[tuple[str, ...]]:
+    """Figures that are not targets: throughput of operation() against the recipe, a
+    payment's instructions in its backend (ours / recipe: one count, deterministic, so its
+    "rounds" cell is the count itself), the retired statement-time and WAL ratios, the
+    server's run-queue wait per HTTP request, what Citus adds in µs, and pgbench's floor /
+    bare."""
     rows = []
     if op is not None:
         rows.append(figure(f"operation() payments/s ours/recipe ({op['threads']} threads)",
                            op["ratios"]["rps_over_recipe"]))
+    for r in (instructions or {}).get("results", []):
+        per = r["per_payment"]
+        rows.append(figure(f"operation() backend instructions ours/recipe ({r['server']}: "
+                           f"{per['ours']:,.0f} / {per['recipe']:,.0f})",
+                           [per["ours"] / per["recipe"]]))
     for r in (http or {}).get("results", []):
         where = f"{r['load']}, {r['clients']} clients"
         rows.append(figure(f"HTTP statement time ours/recipe ({where})",
@@ -258,7 +268,8 @@ def main() -> int:
     measured = sum(not r[3].startswith("not measured") for r in rows)
     print(f"\n{met} of {measured} measured figures meet their target "
           f"({len(rows) - measured} not measured)")
-    context = context_rows(data["operation"], data["http"], data["run"], data["citus"])
+    context = context_rows(data["operation"], data["http"], data["run"], data["citus"],
+                           data["instructions"])
     if context:
         print("\nContext, not targets: per-round figures and their median\n")
         print("| figure | rounds | median |")
