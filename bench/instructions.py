@@ -28,6 +28,7 @@ Deterministic to a few hundred instructions per payment (two runs of the same tr
 
     .venv/bin/python bench/instructions.py [--servers pg15,pg18] [--payments 100]
                                            [--baseline DIR] [--json PATH]
+                                           [--variants ours,recipe] [--extra-sql FILE]
 """
 
 from __future__ import annotations
@@ -76,7 +77,8 @@ def _run(conn: psycopg.Connection[Any], variant: str, tag: str, count: int) -> N
         core._PREPARE = prepare
 
 
-def measure(flavour: str, variants: list[str], payments: int) -> dict[str, Any]:
+def measure(flavour: str, variants: list[str], payments: int,
+            extra_sql: Path | None = None) -> dict[str, Any]:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("bench/instructions.py needs valgrind (apt-get install valgrind)")
@@ -87,6 +89,8 @@ def measure(flavour: str, variants: list[str], payments: int) -> dict[str, Any]:
         for migration in sorted((B.ROOT / "migrations").glob("*.sql")):
             server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
         server.run_psql(dsn, B.SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        if extra_sql is not None:
+            server.run_psql(dsn, extra_sql, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
         version = " ".join(server.version.split()[:2])
         subprocess.run([str(server.bindir / "pg_ctl"), "stop", "-D", str(server.datadir),
                         "-m", "fast", "-w"], check=True, capture_output=True)
@@ -134,8 +138,14 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="DIR",
                         help="also count the pattern with the package in DIR/pg_idempotency")
     parser.add_argument("--json", metavar="PATH", help="write the results here")
+    parser.add_argument("--extra-sql", metavar="FILE", type=Path,
+                        help="run this SQL file after the migrations (an experiment: a "
+                             "function replaced, say), as the owner")
+    parser.add_argument("--variants", help="a subset, e.g. ours,recipe")
     args = parser.parse_args()
     variants = ["none", "recipe", "ours", "prepared"]
+    if args.variants:
+        variants = args.variants.split(",")
     if args.baseline:
         B.load_baseline(args.baseline)
         variants.append("base")
@@ -144,12 +154,11 @@ def main() -> int:
           + (" ours/base |" if args.baseline else ""))
     print("|---|" + "---:|" * (len(variants) + 2 + bool(args.baseline)))
     for flavour in args.servers.split(","):
-        res = measure(flavour, variants, args.payments)
+        res = measure(flavour, variants, args.payments, args.extra_sql)
         per = res["per_payment"]
         cells = [f"{per[v]:,.0f}" for v in variants]
-        ratios = [per["ours"] / per["recipe"], per["ours"] / per["none"]]
-        if args.baseline:
-            ratios.append(per["ours"] / per["base"])
+        ratios = [per["ours"] / per[b] if "ours" in per and b in per else float("nan")
+                  for b in ("recipe", "none", *(["base"] if args.baseline else []))]
         print(f"| {res['server']} | " + " | ".join(cells) + " | "
               + " | ".join(f"{r:.2f}" for r in ratios) + " |", flush=True)
         results.append(res)
