@@ -92,7 +92,7 @@ DISTRIBUTE_RECIPE = ("SELECT create_distributed_table('recipe_keys', 'scope', "
                      "colocate_with => 'idempotency.keys')")
 _HASH = "'\\x" + "ab" * 32 + "'::bytea"
 RECIPE_SCRIPT = f"""\\set s random(1, 1000)
-\\set k random(1, 1000000000000)
+\\set k random(1, 9000000000000000000)
 INSERT INTO recipe_keys (scope, key, request_hash, status)
 VALUES (:s::text, 'k' || :k, {_HASH}, 'in_progress') ON CONFLICT DO NOTHING RETURNING 1;
 UPDATE recipe_keys SET status = 'completed', response_code = 201,
@@ -105,7 +105,7 @@ WHERE scope = :s::text AND key = 'k' || :k;
 # the columns the script needs. The scope is a bare parameter: Citus delegates a call whose
 # distribution argument is a constant or a parameter.
 PGBENCH_SCRIPT = """\\set s random(1, 1000)
-\\set k random(1, 1000000000000)
+\\set k random(1, 9000000000000000000)
 SELECT lease_token AS tok FROM idempotency.claim(
     scope => :s::text, key => 'k' || :k, request => NULL::jsonb,
     lease => '30 seconds'::interval, fingerprint => """ + _HASH + """, strict => false,

@@ -51,6 +51,7 @@ import psycopg  # noqa: E402
 
 import pg_idempotency as idem  # noqa: E402
 import pgharness  # noqa: E402
+from partitions import unwritable  # noqa: E402
 from pg_idempotency import core  # noqa: E402
 
 WARMUP = 10
@@ -143,6 +144,9 @@ def main() -> int:
                              "function replaced, say), as the owner")
     parser.add_argument("--variants", help="a subset, e.g. ours,recipe")
     args = parser.parse_args()
+    problem = unwritable(Path(args.json)) if args.json else None
+    if problem:
+        parser.error(f"--json {args.json}: {problem}")
     variants = ["none", "recipe", "ours", "prepared"]
     if args.variants:
         variants = args.variants.split(",")

@@ -62,6 +62,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
 import pgproc  # noqa: E402
+from partitions import unwritable  # noqa: E402
 import psycopg  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
@@ -234,6 +235,9 @@ def main() -> int:
     parser.add_argument("--baseline", metavar="DIR",
                         help="also run the pattern with the package in DIR/pg_idempotency")
     args = parser.parse_args()
+    problem = unwritable(Path(args.json)) if args.json else None
+    if problem:
+        parser.error(f"--json {args.json}: {problem}")
     variants = VARIANTS
     if args.baseline:
         load_baseline(args.baseline)

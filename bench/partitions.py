@@ -273,12 +273,15 @@ def unwritable(path: Path | None) -> str | None:
     checked before the run, so that a root-owned docs/ file does not end a ten-minute run."""
     if path is None:
         return None
-    path = path.resolve()
-    if path.exists():
-        return None if os.access(path, os.W_OK) else "exists and is not writable by this user"
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
+    try:
+        path = path.resolve()
+        if path.exists():
+            return None if os.access(path, os.W_OK) else "exists and is not writable by this user"
+        parent = path.parent
+        while not parent.exists():
+            parent = parent.parent
+    except OSError as exc:  # a directory on the way this user may not enter
+        return f"cannot be checked: {exc.strerror}"
     return None if os.access(parent, os.W_OK | os.X_OK) else \
         f"cannot be created: {parent} is not writable by this user (pass another path)"
 

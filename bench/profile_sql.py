@@ -86,7 +86,7 @@ CONF = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.tr
         "full_page_writes": "off"}
 
 MIDDLEWARE = r"""-- what the ASGI middleware sends (bench/profile_sql.py)
-\set k random(1, 1000000000000)
+\set k random(1, 9000000000000000000)
 SELECT lease_token AS tok FROM idempotency.claim('acct_1', 'k' || :k, NULL,
     fingerprint => sha256('POST /payments {"amount":50}'::bytea)) \gset
 SELECT idempotency.complete_bytes('acct_1', 'k' || :k, :tok, 201, '\x7b7d'::bytea,
@@ -143,7 +143,7 @@ def ablation_script(db: str, path: Path) -> list[Path]:
         for name, edits in COMPLETE_ABLATIONS:
             conn.execute(ablation_copy(complete, "complete_bytes", name, edits))
     lines = ["-- claim ablation (bench/profile_sql.py --ablate)",
-             "\\set k random(1, 1000000000000)"]
+             "\\set k random(1, 9000000000000000000)"]
     for name, _ in CLAIM_ABLATIONS:
         lines.append(f"SELECT lease_token AS tok_{name} FROM idempotency.claim_ab_{name}("
                      f"'acct_1', 'k' || :k || '{name}', NULL, fingerprint => "

@@ -113,7 +113,7 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
             if "error" in step:
                 codes.add(step["error"]["sqlstate"])
     assert {o for c, o in outcomes if c == "claim"} == {
-        "claimed", "resumed", "replay", "in_progress", "mismatch", "expired"}
+        "claimed", "resumed", "replay", "accepted", "in_progress", "mismatch", "expired"}
     assert {o for c, o in outcomes if c == "takeover"} == {"resumed", "replay", "in_progress"}
     for fn in ("heartbeat_outcome", "checkpoint_outcome", "release_outcome"):
         assert {o for c, o in outcomes if c == fn} == {"ok", "lease_lost", "completed"}, fn

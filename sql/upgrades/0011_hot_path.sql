@@ -55,6 +55,8 @@ max_response_bytes, max_headers_bytes.';
 -- @replace functions/accept.sql
 -- @replace functions/fingerprint.sql
 -- @replace functions/canonical_json.sql
+-- derive_key stays IMMUTABLE: it calls _canonical_json itself, no longer the STABLE one.
+-- @replace functions/derive_key.sql
 -- maintain()'s rule for the newest rows in one function, which partition_status() and
 -- metrics() follow too: what they call due is what the next run drops.
 -- @include functions/_keep_from.sql
