@@ -48,10 +48,10 @@ sys.path.insert(0, str(BENCH))
 
 import operation as B  # noqa: E402 - bench/operation.py: the variants, its imports' paths
 import psycopg  # noqa: E402
+from partitions import unwritable  # noqa: E402
 
 import pg_idempotency as idem  # noqa: E402
 import pgharness  # noqa: E402
-from partitions import unwritable  # noqa: E402
 from pg_idempotency import core  # noqa: E402
 
 WARMUP = 10

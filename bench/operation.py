@@ -62,8 +62,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(BENCH))
 
 import pgproc  # noqa: E402
-from partitions import unwritable  # noqa: E402
 import psycopg  # noqa: E402
+from partitions import unwritable  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 import pg_idempotency as idem  # noqa: E402
