@@ -1,8 +1,9 @@
 """Every SQL statement the package sends, in one place.
 
 Calls use named notation with explicit casts, so they keep working if the engine adds
-defaulted arguments, and a reader sees which argument each value is; CLAIM_SHORT, the claim the
-package's own sends run, is the one positional call (it says why). Parameters are psycopg
+defaulted arguments, and a reader sees which argument each value is; CLAIM_SHORT,
+COMPLETE_SHORT and COMPLETE_BYTES_SHORT, what the package's own sends run, are the positional
+calls (they say why). Parameters are psycopg
 named placeholders; the values are always bound, never formatted into the text.
 
 Times and intervals are settings-proof both ways: psycopg sends datetime and timedelta values
