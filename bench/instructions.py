@@ -29,6 +29,7 @@ Deterministic to a few hundred instructions per payment (two runs of the same tr
     .venv/bin/python bench/instructions.py [--servers pg15,pg18] [--payments 100]
                                            [--baseline DIR] [--json PATH]
                                            [--variants ours,recipe] [--extra-sql FILE]
+                                           [--keep DIR]
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _run(conn: psycopg.Connection[Any], variant: str, tag: str, count: int) -> N
 
 
 def measure(flavour: str, variants: list[str], payments: int,
-            extra_sql: Path | None = None) -> dict[str, Any]:
+            extra_sql: Path | None = None, keep: Path | None = None) -> dict[str, Any]:
     valgrind = shutil.which("valgrind")
     if valgrind is None:
         raise SystemExit("bench/instructions.py needs valgrind (apt-get install valgrind)")
@@ -129,6 +130,11 @@ def measure(flavour: str, variants: list[str], payments: int,
         per = {v: (_total(out / f"callgrind.{pids[(v, WARMUP + payments)]}")
                    - _total(out / f"callgrind.{pids[(v, WARMUP)]}")) / payments
                for v in variants}
+        if keep is not None:  # the longer run's file: for callgrind_annotate --inclusive=yes
+            keep.mkdir(parents=True, exist_ok=True)
+            for v in variants:
+                shutil.copy(out / f"callgrind.{pids[(v, WARMUP + payments)]}",
+                            keep / f"{flavour}-{v}.callgrind")
     return {"server": version, "payments": payments, "per_payment": per}
 
 
@@ -143,6 +149,9 @@ def main() -> int:
                         help="run this SQL file after the migrations (an experiment: a "
                              "function replaced, say), as the owner")
     parser.add_argument("--variants", help="a subset, e.g. ours,recipe")
+    parser.add_argument("--keep", metavar="DIR", type=Path,
+                        help="keep each variant's callgrind file of its longer run here "
+                             "(SERVER-VARIANT.callgrind), to read with callgrind_annotate")
     args = parser.parse_args()
     problem = unwritable(Path(args.json)) if args.json else None
     if problem:
@@ -158,7 +167,7 @@ def main() -> int:
           + (" ours/base |" if args.baseline else ""))
     print("|---|" + "---:|" * (len(variants) + 2 + bool(args.baseline)))
     for flavour in args.servers.split(","):
-        res = measure(flavour, variants, args.payments, args.extra_sql)
+        res = measure(flavour, variants, args.payments, args.extra_sql, args.keep)
         per = res["per_payment"]
         cells = [f"{per[v]:,.0f}" for v in variants]
         ratios = [per["ours"] / per[b] if "ours" in per and b in per else float("nan")

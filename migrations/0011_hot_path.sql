@@ -3377,6 +3377,86 @@ IK001) or completed (IK004). Raises only for bad arguments. On Citus an error co
 a new worker connection; an outcome does not.';
 
 
+-- Fewer calls in the expressions the hot path compiles in every transaction (issue 32,
+-- docs/benchmarks.md): _name_ok tests "not empty, no control character" with one anchored
+-- regex; _new_token hashes its UUID (uuid_hash) instead of casting it through text and bit.
+-- Same answers, same token layout. The functions that inline them are replaced above or
+-- re-planned by PostgreSQL when these change.
+-- sql/functions/_name_ok.sql
+-- The happy-path test of _check_name's rules as one inlinable expression. A PL/pgSQL PERFORM
+-- per argument runs a whole query; this is folded into the caller's IF as a plain expression,
+-- and _check_name (which says what is wrong) runs only when it fails. Measured on the claim +
+-- complete benchmark, validating through PERFORM cost about a fifth of the throughput.
+--
+-- Deliberately without SET search_path: a pinned search_path stops the planner from inlining
+-- a SQL function. Every operator and function is schema-qualified instead.
+--
+-- Two function calls, not four: the expression is compiled again in every transaction that
+-- calls the function (PL/pgSQL keeps a simple expression's state per transaction), and each
+-- call in it costs its compilation (a permission check) and its evaluation, about 1,700
+-- instructions apiece. The anchored regex says "not empty, no control character" in one call
+-- (it cannot say "at most 255": a bounded repetition cost the backend 150,000 instructions a
+-- call). NULL gives NULL, not false: every caller wraps its test in coalesce(..., false).
+-- Measured with bench/instructions.py (docs/benchmarks.md): 9,100 instructions less per
+-- payment (claim + complete_bytes), 1.4%.
+CREATE OR REPLACE FUNCTION idempotency._name_ok(value text)
+RETURNS boolean
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+RETURN (
+    value OPERATOR(pg_catalog.~) '^[^[:cntrl:]]+$'
+    AND pg_catalog.length(value) OPERATOR(pg_catalog.<=) 255
+);
+
+COMMENT ON FUNCTION idempotency._name_ok(text) IS
+'Internal: true when value passes idempotency._check_name, false or NULL (for NULL) when it
+does not (inlined into callers, which coalesce it to false).';
+
+-- sql/functions/_new_token.sql
+-- Lease tokens (fencing tokens) are made here, per key, not from a sequence:
+--
+--   token = h * 2^32 + r    h: greater than the previous owner's h (previous >> 32) and at
+--                              least the seconds since 2024-01-01 on this node's clock;
+--                           r: 32 bits of a gen_random_uuid() (pg_strong_random), hashed.
+--
+-- Increasing per key: a takeover or a new claim after release() passes the previous owner's
+-- token, so h grows by at least one with every owner of the key, on any node and after a shard
+-- move (the row carries the token with it). A key claimed afresh (new, or past its retention)
+-- has no previous owner on record; its h is the clock's, greater than the h of every token
+-- handed out more than a retention ago unless a node's clock is that far behind.
+-- Unguessable: knowing the scope and the key, and even the h part, a caller still has to guess
+-- 32 random bits to act as the owner. A sequence (before 0.9.0) made the next token one more
+-- than the last one seen, and gave each Citus node its own range.
+-- r is uuid_hash() of a fresh version-4 UUID: 32 bits that depend on all of its 122 random
+-- bits, so as hard to guess as the UUID. Until 0.11.0 r was the UUID's first 8 hex digits,
+-- through a text and a bit(32) cast: two I/O conversions and four more calls, which the
+-- INSERT that calls this compiles and runs again on every claim (7,300 instructions per
+-- payment more, bench/instructions.py, docs/benchmarks.md).
+-- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
+-- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
+CREATE OR REPLACE FUNCTION idempotency._new_token(previous bigint)
+RETURNS bigint
+LANGUAGE sql
+VOLATILE
+RETURN (
+    greatest(
+        (previous OPERATOR(pg_catalog.>>) 32) OPERATOR(pg_catalog.+) 1,
+        pg_catalog.floor(
+            pg_catalog.date_part('epoch', pg_catalog.clock_timestamp())
+            OPERATOR(pg_catalog.-) 1704067200
+        )::pg_catalog.int8
+    ) OPERATOR(pg_catalog.<<) 32
+) OPERATOR(pg_catalog.|) (
+    pg_catalog.uuid_hash(pg_catalog.gen_random_uuid())::pg_catalog.int8
+    OPERATOR(pg_catalog.&) 4294967295
+);
+
+COMMENT ON FUNCTION idempotency._new_token(bigint) IS
+'Internal: a new lease token for a key, greater than previous (its last owner''s token, or
+NULL), with 32 random low bits.';
+
+
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
 

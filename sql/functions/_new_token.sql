@@ -2,7 +2,7 @@
 --
 --   token = h * 2^32 + r    h: greater than the previous owner's h (previous >> 32) and at
 --                              least the seconds since 2024-01-01 on this node's clock;
---                           r: 32 bits from gen_random_uuid() (pg_strong_random).
+--                           r: 32 bits of a gen_random_uuid() (pg_strong_random), hashed.
 --
 -- Increasing per key: a takeover or a new claim after release() passes the previous owner's
 -- token, so h grows by at least one with every owner of the key, on any node and after a shard
@@ -12,6 +12,11 @@
 -- Unguessable: knowing the scope and the key, and even the h part, a caller still has to guess
 -- 32 random bits to act as the owner. A sequence (before 0.9.0) made the next token one more
 -- than the last one seen, and gave each Citus node its own range.
+-- r is uuid_hash() of a fresh version-4 UUID: 32 bits that depend on all of its 122 random
+-- bits, so as hard to guess as the UUID. Until 0.11.0 r was the UUID's first 8 hex digits,
+-- through a text and a bit(32) cast: two I/O conversions and four more calls, which the
+-- INSERT that calls this compiles and runs again on every claim (7,300 instructions per
+-- payment more, bench/instructions.py, docs/benchmarks.md).
 -- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
 -- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
 CREATE FUNCTION idempotency._new_token(previous bigint)
@@ -27,8 +32,8 @@ RETURN (
         )::pg_catalog.int8
     ) OPERATOR(pg_catalog.<<) 32
 ) OPERATOR(pg_catalog.|) (
-    ('x' OPERATOR(pg_catalog.||) pg_catalog.left(pg_catalog.gen_random_uuid()::pg_catalog.text, 8)
-    )::pg_catalog.bit(32)::pg_catalog.int8
+    pg_catalog.uuid_hash(pg_catalog.gen_random_uuid())::pg_catalog.int8
+    OPERATOR(pg_catalog.&) 4294967295
 );
 
 COMMENT ON FUNCTION idempotency._new_token(bigint) IS

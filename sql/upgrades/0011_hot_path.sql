@@ -112,5 +112,13 @@ DROP FUNCTION idempotency.grant_usage(regrole, text);
 -- @include functions/checkpoint_outcome.sql
 -- @include functions/release_outcome.sql
 
+-- Fewer calls in the expressions the hot path compiles in every transaction (issue 32,
+-- docs/benchmarks.md): _name_ok tests "not empty, no control character" with one anchored
+-- regex; _new_token hashes its UUID (uuid_hash) instead of casting it through text and bit.
+-- Same answers, same token layout. The functions that inline them are replaced above or
+-- re-planned by PostgreSQL when these change.
+-- @replace functions/_name_ok.sql
+-- @replace functions/_new_token.sql
+
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;
