@@ -90,6 +90,58 @@ COMMENT ON FUNCTION idempotency._route_branches(
 'Internal (_make_routes): the IF/ELSIF branches of a generated route, one static statement per
 partition of keys, chosen by the argument arg.';
 
+-- sql/functions/_shard_branches.sql
+-- The shard branches of a generated local route (see _make_routes, Citus only): stmt on the
+-- shard of keys whose id is in v_shard, chosen by a balanced tree of IF v_shard < ... tests, so
+-- that a call runs about log2(shards) tests, not one per shard (PL/pgSQL builds each test's
+-- executor state once per transaction, about 2,000 CPU instructions). A v_shard that is in no
+-- leaf (a shard made by a split after the route was generated) runs nothing. '' for no shard.
+CREATE FUNCTION idempotency._shard_branches(
+    stmt text,
+    shards bigint[],
+    tables text[],
+    indent text DEFAULT '    '
+)
+RETURNS text
+LANGUAGE plpgsql
+IMMUTABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_count integer := coalesce(cardinality(_shard_branches.shards), 0);
+    v_upper integer;
+BEGIN
+    IF v_count = 0 THEN
+        RETURN '';
+    ELSIF v_count = 1 THEN
+        -- replace(), not format(), for the statement; the table's name goes in last, so
+        -- nothing in it is replaced.
+        RETURN format(E'\n%sIF v_shard = %s THEN', _shard_branches.indent,
+                      _shard_branches.shards[1])
+            || replace(_shard_branches.stmt, '@table@', _shard_branches.tables[1])
+            || format(E'\n%sEND IF;', _shard_branches.indent);
+    END IF;
+    -- The first index of the upper half.
+    v_upper := v_count / 2 + 1;
+    RETURN format(E'\n%sIF v_shard < %s THEN', _shard_branches.indent,
+                  _shard_branches.shards[v_upper])
+        || idempotency._shard_branches(_shard_branches.stmt,
+                                       _shard_branches.shards[1:v_upper - 1],
+                                       _shard_branches.tables[1:v_upper - 1],
+                                       _shard_branches.indent || '    ')
+        || format(E'\n%sELSE', _shard_branches.indent)
+        || idempotency._shard_branches(_shard_branches.stmt,
+                                       _shard_branches.shards[v_upper:],
+                                       _shard_branches.tables[v_upper:],
+                                       _shard_branches.indent || '    ')
+        || format(E'\n%sEND IF;', _shard_branches.indent);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._shard_branches(text, bigint[], text[], text) IS
+'Internal (_make_routes, Citus): a balanced tree of IF tests on v_shard running stmt on the
+shard of keys each leaf names; shards sorted ascending, tables their qualified names.';
+
 -- sql/functions/_make_routes.sql
 -- Generates the routed statements of the lifecycle, so that they touch one plain partition of
 -- idempotency.keys instead of the partitioned parent:
@@ -273,6 +325,10 @@ DECLARE
     v_proc text;
     v_signature regprocedure;
     v_changed boolean := false;
+    v_shards bigint[];
+    v_shard_tables text[];
+    -- The functions one route makes: the route, and on Citus its local half (see below).
+    v_make text[][];
 BEGIN
     -- The partitions, read once for every route. Newest first: most calls concern keys claimed
     -- moments ago, and complete's guess goes by its own time. The partitions made ahead come
@@ -291,6 +347,16 @@ BEGIN
     FROM idempotency._partitions('keys') AS p
     WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
       AND NOT idempotency._distributed();
+    -- On Citus, the shards of keys and their tables, for the local routes (Citus's catalog
+    -- exists only where it is installed: dynamic SQL).
+    IF idempotency._distributed() THEN
+        EXECUTE 'SELECT array_agg(s.shardid ORDER BY s.shardid), '
+                '       array_agg(pg_catalog.shard_name(s.logicalrelid, s.shardid) '
+                '                 ORDER BY s.shardid) '
+                'FROM pg_catalog.pg_dist_shard AS s WHERE s.logicalrelid = $1'
+        INTO v_shards, v_shard_tables
+        USING 'idempotency.keys'::regclass;
+    END IF;
 
     FOR i IN 1 .. array_length(v_routes, 1) LOOP
         v_fn := v_routes[i][1];
@@ -302,6 +368,7 @@ BEGIN
                 || E'\n    END IF;\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
         END IF;
         v_lookup := '';
+        v_make := '{}';
         IF v_routes[i][5] <> '' THEN
             -- The guess, then the directory's created_at for the branches below. The second
             -- PERFORM only sets FOUND to false again (the directory read set it), so that the
@@ -334,6 +401,78 @@ BEGIN
                         || E'\n          AND k.created_at <= %1$s.%2$s', v_fn, v_routes[i][5])),
                     '@table@', 'idempotency.keys')
                     || E'\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
+                IF v_shards IS NOT NULL THEN
+                    -- On Citus the guess runs first in the route's local half, <route>_local,
+                    -- on the scope's shard itself when this node holds it (see below); NULL
+                    -- means not here or no row, and the guess through Citus follows.
+                    v_lookup := format(
+                        E'\n    v_done := idempotency.%1$I(%2$s);'
+                        || E'\n    IF v_done IS NOT NULL THEN\n        RETURN v_done;'
+                        || E'\n    END IF;', v_fn || '_local',
+                        (SELECT string_agg(format('%s.%s', v_fn, split_part(trim(a), ' ', 1)),
+                                           ', ' ORDER BY n)
+                         FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY
+                              AS t (a, n)
+                         WHERE split_part(trim(a), ' ', 1) <> 'created_at'))
+                        || v_lookup;
+                    -- The local half. A delegated body's statements on the distributed
+                    -- tables each go through Citus's planner and executor on the worker
+                    -- (~100-150 us of CPU each) and must be planned afresh there
+                    -- (_citus_custom_plans); a static statement on the shard's own table is
+                    -- planned once per session and costs what it costs on one server. Safe
+                    -- only while the shard stays here: first the lock Citus's own executor
+                    -- takes before it writes to a shard (ShareLock on the shard's metadata),
+                    -- which a shard move or split takes exclusively on every node before it
+                    -- stops writes, then the placement read under it (a moved shard's old
+                    -- table stays until Citus drops it, so the table's existence says
+                    -- nothing). A shard a split made after this was generated has no branch
+                    -- and runs nothing: the guess through Citus does the work until
+                    -- maintain() generates the routes again. Not with Citus's local execution
+                    -- off either: Citus would then reach this node's shards through
+                    -- connections of their own, which would not see this write.
+                    v_make := ARRAY[[
+                        v_fn || '_local',
+                        (SELECT string_agg(trim(a), ', ' ORDER BY n)
+                         FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY
+                              AS t (a, n)
+                         WHERE split_part(trim(a), ' ', 1) <> 'created_at'),
+                        v_routes[i][3],
+                        replace(replace(replace($src$
+-- Generated by idempotency._make_routes(): do not edit.
+DECLARE
+    v_done @type@;
+    v_shard bigint;
+BEGIN
+    v_shard := pg_catalog.get_shard_id_for_distribution_column(
+        'idempotency.keys', @fn@.scope);
+    PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]);
+    IF current_setting('citus.enable_local_execution') <> 'on'
+       OR NOT EXISTS (SELECT FROM pg_catalog.pg_dist_placement AS p,
+                             pg_catalog.pg_dist_local_group AS g
+                      WHERE p.shardid = v_shard AND p.groupid = g.groupid) THEN
+        RETURN NULL;
+    END IF;@branches@
+    RETURN v_done;
+END;
+$src$, '@type@', v_routes[i][3]), '@fn@', v_fn || '_local'),
+                            -- Last, so that nothing in the statements is replaced.
+                            '@branches@', idempotency._shard_branches(
+                                replace(replace(v_routes[i][4],
+                                    E'\n          AND k.created_at = @fn@.created_at', format(
+                                    E'\n          AND k.created_at > @fn@.%1$s'
+                                    || E' - interval ''1 hour'''
+                                    || E'\n          AND k.created_at <= @fn@.%1$s',
+                                    v_routes[i][5])), '@fn@', v_fn || '_local'),
+                                v_shards, v_shard_tables)),
+                        -- Generic plans: these statements name no distributed table, and a
+                        -- plan made once per session is the point (the caller's setting on
+                        -- Citus is force_custom_plan).
+                        'force_generic_plan',
+                        format('Internal, generated by _make_routes() on Citus: %s on the '
+                               'scope''s shard of keys when this node holds it, for a key '
+                               'created in the hour up to %s; NULL otherwise.',
+                               v_routes[i][6], v_routes[i][5])]];
+                END IF;
             END IF;
             v_lookup := format(
                 E'\n    IF %1$s.created_at IS NULL THEN%2$s'
@@ -368,34 +507,50 @@ BEGIN
             'DECLARE\n    v_done %s;\nBEGIN%s%s%s\n    RETURN v_done;\nEND;\n',
             v_routes[i][3], v_lookup, v_branches,
             replace(v_stmt, '@table@', 'idempotency.keys'));
-        -- 'idempotency.name(text, bigint, ...)': the parameters' types, for to_regprocedure.
-        v_proc := format(
-            'idempotency.%s(%s)', v_fn,
-            (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
-             FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n)));
-        v_signature := to_regprocedure(v_proc);
-        IF v_signature IS NULL
-           OR v_source IS DISTINCT FROM (SELECT p.prosrc FROM pg_proc AS p
-                                         WHERE p.oid = v_signature) THEN
-            -- No SET clauses: only functions that pin search_path and generic plans call it,
-            -- and a SET would cost a GUC save and restore on every call.
-            EXECUTE format($ddl$
-                CREATE OR REPLACE FUNCTION idempotency.%I(%s)
-                RETURNS %s
-                LANGUAGE plpgsql
-                -- VOLATILE: each statement takes its own snapshot, after the caller's locks.
-                VOLATILE
-                AS %L$ddl$, v_fn, v_routes[i][2], v_routes[i][3], v_source);
+        -- The local half first: the route calls it.
+        v_make := v_make || ARRAY[[
+            v_fn, v_routes[i][2], v_routes[i][3], v_source, '',
+            format('Internal, generated by _make_routes(): %s on the partition of keys that '
+                   'created_at names, through the parent when no branch finds the row.',
+                   v_routes[i][6])]];
+        FOR j IN 1 .. array_length(v_make, 1) LOOP
+            -- 'idempotency.name(text, bigint, ...)': the parameters' types, for
+            -- to_regprocedure.
+            v_proc := format(
+                'idempotency.%s(%s)', v_make[j][1],
+                (SELECT string_agg(split_part(trim(a), ' ', 2), ', ' ORDER BY n)
+                 FROM unnest(string_to_array(v_make[j][2], ',')) WITH ORDINALITY AS t (a, n)));
             v_signature := to_regprocedure(v_proc);
-            -- CREATE OR REPLACE keeps the privileges of a function that existed; a new one
-            -- would be executable by PUBLIC.
-            EXECUTE format('REVOKE ALL ON FUNCTION %s FROM public', v_signature);
-            EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_signature,
-                           format('Internal, generated by _make_routes(): %s on the partition '
-                                  'of keys that created_at names, through the parent when no '
-                                  'branch finds the row.', v_routes[i][6]));
-            v_changed := true;
-        END IF;
+            IF v_signature IS NULL
+               OR NOT EXISTS (
+                   SELECT FROM pg_proc AS p
+                   WHERE p.oid = v_signature AND p.prosrc = v_make[j][4]
+                     AND p.proconfig IS NOT DISTINCT FROM
+                         CASE WHEN v_make[j][5] <> ''
+                              THEN ARRAY['plan_cache_mode=' || v_make[j][5]] END) THEN
+                -- No SET clause on a route: only functions that pin search_path call it, and
+                -- a SET would cost a GUC save and restore on every call. The local half's
+                -- plan_cache_mode is worth that (see above).
+                EXECUTE format($ddl$
+                    CREATE OR REPLACE FUNCTION idempotency.%I(%s)
+                    RETURNS %s
+                    LANGUAGE plpgsql
+                    -- VOLATILE: each statement takes its own snapshot, after the caller's
+                    -- locks.
+                    VOLATILE
+                    %s
+                    AS %L$ddl$, v_make[j][1], v_make[j][2], v_make[j][3],
+                    CASE WHEN v_make[j][5] = '' THEN ''
+                         ELSE format('SET plan_cache_mode = %s', v_make[j][5]) END,
+                    v_make[j][4]);
+                v_signature := to_regprocedure(v_proc);
+                -- CREATE OR REPLACE keeps the privileges of a function that existed; a new
+                -- one would be executable by PUBLIC.
+                EXECUTE format('REVOKE ALL ON FUNCTION %s FROM public', v_signature);
+                EXECUTE format('COMMENT ON FUNCTION %s IS %L', v_signature, v_make[j][6]);
+                v_changed := true;
+            END IF;
+        END LOOP;
     END LOOP;
     RETURN v_changed;
 END;
@@ -404,8 +559,9 @@ $make$;
 COMMENT ON FUNCTION idempotency._make_routes() IS
 'Internal: (re)generate _key_row, _complete_row (with its guess), _heartbeat_row,
 _checkpoint_row, _accept_row, _release_row, _resume_row and _drop_released_row, which address
-one partition of keys by a static statement per partition; true when any was replaced. Run by
-_create_partition and maintain().';
+one partition of keys by a static statement per partition, and on Citus _complete_row_local
+(the guess on the local shard); true when any was replaced. Run by _create_partition,
+distribute() and maintain().';
 
 SELECT idempotency._make_routes() AS routes_made;
 -- sql/functions/complete.sql
@@ -586,9 +742,10 @@ transaction as the business write; returns completed_at. Raises IK001 or IK004.'
 -- Which functions: the ones Citus delegates (they run the per-key statements, and call the
 -- generated routes, which take their caller's setting), every other one that sets
 -- plan_cache_mode (_resume_existing and _lease_error call routes too), and every other PL/pgSQL
--- function whose source names a distributed table, the routes excepted. A migration replaces
--- functions with their sources, which ask for generic plans, so every migration from 0011 on
--- ends by calling this, as does distribute(). Returns the functions it changed.
+-- function whose source names a distributed table; never a generated route (_make_routes: the
+-- local halves it makes on Citus name only shards, and ask for generic plans). A migration
+-- replaces functions with their sources, which ask for generic plans, so every migration from
+-- 0011 on ends by calling this, as does distribute(). Returns the functions it changed.
 CREATE FUNCTION idempotency._citus_custom_plans()
 RETURNS SETOF regprocedure
 LANGUAGE plpgsql
@@ -615,8 +772,10 @@ BEGIN
           AND l.lanname = 'plpgsql'
           AND (p.oid = ANY (v_delegated)
                OR array_to_string(p.proconfig, ',') LIKE '%plan_cache_mode=%'
-               OR (p.prosrc ~ 'idempotency\.(keys|key_directory|tombstones|inbox)\M'
-                   AND p.prosrc NOT LIKE E'\n-- Generated by idempotency._make_routes()%'))
+               OR p.prosrc ~ 'idempotency\.(keys|key_directory|tombstones|inbox)\M')
+          -- Never the generated routes: they take their caller's setting, and their local
+          -- halves on Citus keep the generic plans they ask for (see _make_routes).
+          AND p.prosrc NOT LIKE E'\n-- Generated by idempotency._make_routes()%'
           AND 'plan_cache_mode=force_custom_plan' <> ALL (coalesce(p.proconfig, '{}'))
         ORDER BY p.oid
     LOOP
@@ -756,6 +915,15 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
+    -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
+    -- the routes lose their per-partition branches, and _complete_row gains its local half
+    -- (see _make_routes), before the loop below creates the functions on every node.
+    IF idempotency._make_routes() THEN
+        object := 'routes';
+        action := 'regenerated for Citus: no per-partition branches, a local half';
+        RETURN NEXT;
+    END IF;
+
     -- Functions: the per-key ones delegated by their first argument, the rest only created on
     -- every node. Those already done (pg_dist_object; Citus also propagates a new function by
     -- itself when it can) are left as they are.
@@ -786,13 +954,6 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
-    -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
-    -- the routes lose their per-partition branches (see _make_routes).
-    IF idempotency._make_routes() THEN
-        object := 'routes';
-        action := 'regenerated without per-partition branches';
-        RETURN NEXT;
-    END IF;
     -- Custom plans on a cluster (see _citus_custom_plans): Citus's local plan cache would grow
     -- with every call.
     FOR object IN SELECT f::text FROM idempotency._citus_custom_plans() AS f LOOP

@@ -310,6 +310,108 @@ def test_complete_guesses_the_hour_and_falls_back_to_the_directory(citus: Cluste
                                                      ("old", "completed", 200)]
 
 
+LOCAL = ("SELECT idempotency._complete_row_local(%s, %s, %s, 201, '{}', '{\"ok\": 1}', NULL,"
+         " 'application/json', clock_timestamp())")
+
+
+def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
+        citus_cluster: Any) -> None:
+    """On a cluster complete()'s guess first runs as a static statement on the scope's own
+    shard (_complete_row_local, generic plans), under the lock Citus's executor takes before it
+    writes to a shard, when the node running it holds that shard. On the other worker and on
+    the coordinator it answers NULL and writes nothing; a block_writes move of the shard waits
+    for a transaction that completed a key there, carries that completion, and afterwards the
+    node it left answers NULL (its copy of the shard stays until Citus drops it); after a split
+    complete() goes through Citus until maintain() gives the new shards their branches. Its own
+    database: the shards move and split."""
+    c = installed(citus_cluster, "idem_local", 4)
+    scope = _scope()
+    tokens = {k: _claim(c.dsn, scope, k)[1] for k in ("k1", "k2", "k3", "k4")}
+    home = c.node_of(scope)
+    (away,) = [d for d in c.worker_dsns() if d != home]
+
+    def state(key: str) -> tuple[str, int | None]:
+        with psycopg.connect(c.dsn, autocommit=True) as conn:
+            return conn.execute("SELECT state, response_status FROM idempotency.keys"
+                                " WHERE scope = %s AND key = %s", (scope, key)).fetchone()
+
+    for dsn in (away, c.dsn):
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+    # A stale token matches nothing here either.
+    with psycopg.connect(home, autocommit=True) as conn:
+        assert conn.execute(LOCAL, (scope, "k1", tokens["k1"] - 1)).fetchone() == (None,)
+        conn.execute("SET citus.enable_local_execution = off")
+        assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+    assert state("k1") == ("in_progress", None)
+
+    with psycopg.connect(c.dsn, autocommit=True) as conn:
+        shard, port = conn.execute(
+            "SELECT shardid, nodeport FROM citus_shards WHERE table_name ="
+            " 'idempotency.keys'::regclass AND shardid ="
+            " get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
+            (scope,)).fetchone()
+        target = next(w.port for w in c.workers if w.port != port)
+    moved: list[BaseException | None] = []
+
+    def move() -> None:
+        try:
+            with psycopg.connect(c.dsn, autocommit=True) as conn:
+                conn.execute(
+                    "SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
+                    " shard_transfer_mode => 'block_writes')", (shard, port, target))
+            moved.append(None)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            moved.append(exc)
+
+    with psycopg.connect(home) as holder:
+        assert holder.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone()[0] is not None
+        mover = threading.Thread(target=move)
+        mover.start()
+        with psycopg.connect(home, autocommit=True) as watch:
+            wait_until(lambda: watch.execute(
+                "SELECT count(*) FROM pg_locks WHERE NOT granted").fetchone()[0] > 0,
+                "the move waiting for the transaction that wrote the local shard")
+        assert mover.is_alive() and not moved
+        holder.commit()
+    mover.join(WAIT_BOUND)
+    assert moved == [None]
+    assert state("k1") == ("completed", 201)
+    with psycopg.connect(home, autocommit=True) as conn:
+        assert conn.execute(LOCAL, (scope, "k2", tokens["k2"])).fetchone() == (None,)
+    with psycopg.connect(away, autocommit=True) as conn:
+        assert conn.execute(LOCAL, (scope, "k2", tokens["k2"])).fetchone()[0] is not None
+    assert state("k2") == ("completed", 201)
+
+    with psycopg.connect(c.dsn, autocommit=True) as conn:
+        lo, hi = conn.execute("SELECT shardminvalue::bigint, shardmaxvalue::bigint"
+                              " FROM pg_dist_shard WHERE shardid = %s", (shard,)).fetchone()
+        node = conn.execute("SELECT nodeid FROM pg_dist_node WHERE nodeport = %s",
+                            (target,)).fetchone()[0]
+        conn.execute("SELECT citus_split_shard_by_split_points(%s, ARRAY[%s], ARRAY[%s, %s],"
+                     " shard_transfer_mode => 'block_writes')",
+                     (shard, str((lo + hi) // 2), node, node))
+        new = conn.execute("SELECT get_shard_id_for_distribution_column('idempotency.keys',"
+                           " %s::text)", (scope,)).fetchone()[0]
+    assert new != shard
+    with psycopg.connect(away, autocommit=True) as conn:
+        def branch() -> bool:
+            return f"IF v_shard = {new} THEN" in conn.execute(
+                "SELECT prosrc FROM pg_proc WHERE proname = '_complete_row_local'").fetchone()[0]
+
+        assert not branch()
+        assert conn.execute(LOCAL, (scope, "k3", tokens["k3"])).fetchone() == (None,)
+        # complete() itself, delegated: through Citus.
+        conn.execute("SELECT idempotency.complete(%s, 'k3', %s, 202, '{}')",
+                     (scope, tokens["k3"]))
+        with psycopg.connect(c.dsn, autocommit=True) as coordinator:
+            coordinator.execute("SELECT idempotency.maintain()")
+        assert branch()
+        assert conn.execute(LOCAL, (scope, "k4", tokens["k4"])).fetchone()[0] is not None
+    assert (state("k3"), state("k4")) == (("completed", 202), ("completed", 201))
+    c.cluster.drop_database(c.db)
+
+
 def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
     """On a database without the citus extension: IK021, nothing changed."""
     db = f"idem_plain_{uuid.uuid4().hex[:8]}"

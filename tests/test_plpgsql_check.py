@@ -58,6 +58,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("_require_coordinator", 'relation "pg_catalog.pg_dist_local_group" does not exist'):
         "a Citus catalog, read only when to_regclass finds it (tests/test_bounds_sql.py runs it "
         "on a worker)",
+    ("_make_routes", 'relation "pg_catalog.pg_dist_shard" does not exist'):
+        "a Citus catalog, read after _distributed() says Citus is there, for the local halves "
+        "of the routes (tests/test_citus.py)",
     ("_citus_custom_plans", 'relation "pg_catalog.pg_dist_object" does not exist'):
         "a Citus catalog, read after _distributed() says Citus is there (tests/test_citus.py)",
     ("_citus_custom_plans", "should be STABLE"):

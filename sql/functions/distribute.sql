@@ -120,6 +120,15 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
+    -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
+    -- the routes lose their per-partition branches, and _complete_row gains its local half
+    -- (see _make_routes), before the loop below creates the functions on every node.
+    IF idempotency._make_routes() THEN
+        object := 'routes';
+        action := 'regenerated for Citus: no per-partition branches, a local half';
+        RETURN NEXT;
+    END IF;
+
     -- Functions: the per-key ones delegated by their first argument, the rest only created on
     -- every node. Those already done (pg_dist_object; Citus also propagates a new function by
     -- itself when it can) are left as they are.
@@ -150,13 +159,6 @@ BEGIN
         RETURN NEXT;
     END LOOP;
 
-    -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
-    -- the routes lose their per-partition branches (see _make_routes).
-    IF idempotency._make_routes() THEN
-        object := 'routes';
-        action := 'regenerated without per-partition branches';
-        RETURN NEXT;
-    END IF;
     -- Custom plans on a cluster (see _citus_custom_plans): Citus's local plan cache would grow
     -- with every call.
     FOR object IN SELECT f::text FROM idempotency._citus_custom_plans() AS f LOOP

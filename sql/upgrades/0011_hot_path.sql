@@ -20,6 +20,7 @@
 -- No table changes; no data moves.
 
 -- @include functions/_route_branches.sql
+-- @include functions/_shard_branches.sql
 -- @replace functions/_make_routes.sql
 SELECT idempotency._make_routes() AS routes_made;
 -- @replace functions/complete.sql
