@@ -312,19 +312,25 @@ def test_complete_guesses_the_hour_and_falls_back_to_the_directory(citus: Cluste
 
 LOCAL = ("SELECT idempotency._complete_row_local(%s, %s, %s, 201, '{}', '{\"ok\": 1}', NULL,"
          " 'application/json', clock_timestamp())")
+LOCAL_CLAIM = ("SELECT outcome FROM idempotency._claim_row_local(%s, %s, sha256('x'), '30 s',"
+               " clock_timestamp())")
 
 
-def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
+def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
         citus_cluster: Any) -> None:
-    """On a cluster complete()'s guess first runs as a static statement on the scope's own
-    shard (_complete_row_local, generic plans), under the lock Citus's executor takes before it
-    writes to a shard, when the node running it holds that shard. On the other worker and on
-    the coordinator it answers NULL and writes nothing; a block_writes move of the shard waits
-    for a transaction that completed a key there, carries that completion, and afterwards the
-    node it left answers NULL (its copy of the shard stays until Citus drops it); after a split
-    complete() goes through Citus until maintain() gives the new shards their branches. Its own
-    database: the shards move and split."""
+    """On a cluster claim()'s two INSERTs of a new key and complete()'s guess first run as
+    static statements on the scope's own shards (_claim_row_local, _complete_row_local: generic
+    plans), under the lock Citus's executor takes before it writes to a shard, when the node
+    running them holds that shard. On the other worker and on the coordinator they answer NULL
+    and write nothing; a block_writes move of the shard waits for a transaction that completed
+    a key there, carries that completion, and afterwards the node it left answers NULL (its
+    copy of the shard stays until Citus drops it); after a split they leave the work to Citus
+    until maintain() gives the new shards their branches. Its own database: the shards move
+    and split."""
     c = installed(citus_cluster, "idem_local", 4)
+    for node in c.cluster.nodes:
+        with psycopg.connect(node.dsn(c.db), autocommit=True) as conn:
+            assert conn.execute("SELECT idempotency._local_shards()").fetchone() == (True,)
     scope = _scope()
     tokens = {k: _claim(c.dsn, scope, k)[1] for k in ("k1", "k2", "k3", "k4")}
     home = c.node_of(scope)
@@ -335,9 +341,25 @@ def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
             return conn.execute("SELECT state, response_status FROM idempotency.keys"
                                 " WHERE scope = %s AND key = %s", (scope, key)).fetchone()
 
+    def rows(key: str) -> tuple[int, int]:
+        with psycopg.connect(c.dsn, autocommit=True) as conn:
+            return conn.execute(
+                "SELECT (SELECT count(*) FROM idempotency.keys"
+                "        WHERE scope = %(s)s AND key = %(k)s),"
+                " (SELECT count(*) FROM idempotency.key_directory WHERE scope = %(s)s"
+                "  AND key_hash = sha256(convert_to(%(k)s, 'UTF8')))",
+                {"s": scope, "k": key}).fetchone()
+
     for dsn in (away, c.dsn):
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+            assert conn.execute(LOCAL_CLAIM, (scope, "c1")).fetchone() == (None,)
+    assert rows("c1") == (0, 0)
+    with psycopg.connect(home, autocommit=True) as conn:
+        assert conn.execute(LOCAL_CLAIM, (scope, "c1")).fetchone() == ("claimed",)
+        assert conn.execute(LOCAL_CLAIM, (scope, "c1")).fetchone() == (None,)  # taken
+    assert rows("c1") == (1, 1)
+    assert _claim(c.dsn, scope, "c1")[0] == "mismatch"  # sha256('x') is no request's
     # A stale token matches nothing here either.
     with psycopg.connect(home, autocommit=True) as conn:
         assert conn.execute(LOCAL, (scope, "k1", tokens["k1"] - 1)).fetchone() == (None,)
@@ -379,9 +401,13 @@ def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
     assert state("k1") == ("completed", 201)
     with psycopg.connect(home, autocommit=True) as conn:
         assert conn.execute(LOCAL, (scope, "k2", tokens["k2"])).fetchone() == (None,)
+        assert conn.execute(LOCAL_CLAIM, (scope, "c2")).fetchone() == (None,)
+    assert rows("c2") == (0, 0)
     with psycopg.connect(away, autocommit=True) as conn:
         assert conn.execute(LOCAL, (scope, "k2", tokens["k2"])).fetchone()[0] is not None
+        assert conn.execute(LOCAL_CLAIM, (scope, "c2")).fetchone() == ("claimed",)
     assert state("k2") == ("completed", 201)
+    assert rows("c2") == (1, 1)
 
     with psycopg.connect(c.dsn, autocommit=True) as conn:
         lo, hi = conn.execute("SELECT shardminvalue::bigint, shardmaxvalue::bigint"
@@ -401,6 +427,10 @@ def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
 
         assert not branch()
         assert conn.execute(LOCAL, (scope, "k3", tokens["k3"])).fetchone() == (None,)
+        assert conn.execute(LOCAL_CLAIM, (scope, "c3")).fetchone() == (None,)
+        # claim() itself, delegated: through Citus.
+        assert conn.execute("SELECT outcome FROM idempotency.claim(%s, 'c3', '{}')",
+                            (scope,)).fetchone() == ("claimed",)
         # complete() itself, delegated: through Citus.
         conn.execute("SELECT idempotency.complete(%s, 'k3', %s, 202, '{}')",
                      (scope, tokens["k3"]))
@@ -408,7 +438,9 @@ def test_complete_writes_the_local_shard_only_while_the_shard_is_there(
             coordinator.execute("SELECT idempotency.maintain()")
         assert branch()
         assert conn.execute(LOCAL, (scope, "k4", tokens["k4"])).fetchone()[0] is not None
+        assert conn.execute(LOCAL_CLAIM, (scope, "c4")).fetchone() == ("claimed",)
     assert (state("k3"), state("k4")) == (("completed", 202), ("completed", 201))
+    assert (rows("c3"), rows("c4")) == ((1, 1), (1, 1))
     c.cluster.drop_database(c.db)
 
 

@@ -81,11 +81,16 @@ SHAPES: list[tuple[str, list[str], Any]] = [
     ("varchar-scope", ["SELECT * FROM idempotency.claim('{s}'::varchar, '{k}', '{{}}')"], ROWS),
     ("stable-cast-in-request",
      ["SELECT * FROM idempotency.claim('{s}', '{k}', '{{}}'::text::jsonb)"], ROWS),
-    # A key cast through name (a collatable type): Citus refuses the forced delegation with
-    # 0A000 "queries must filter by the distribution argument in the same colocation group
-    # when using the forced function pushdown" (an answer, not a crash; docs/scale-out.md).
+    # A key cast through name (a collatable type): a new key is claimed by claim's local
+    # half, on the shard itself; a taken one goes on through Citus, which refuses the forced
+    # delegation with 0A000 "queries must filter by the distribution argument in the same
+    # colocation group when using the forced function pushdown" (an answer, not a crash;
+    # docs/scale-out.md).
     ("key-cast-through-name",
-     ["SELECT * FROM idempotency.claim('{s}', '{k}'::name::text, '{{}}')"], "0A000"),
+     ["SELECT * FROM idempotency.claim('{s}', '{k}'::name::text, '{{}}')"], ROWS),
+    ("key-cast-through-name-taken",
+     [f"SELECT * FROM {CALL}",
+      "SELECT * FROM idempotency.claim('{s}', '{k}'::name::text, '{{}}')"], "0A000"),
     ("named-notation", ["SELECT * FROM idempotency.claim(scope => '{s}', key => '{k}',"
                         " request => '{{}}', strict => true)"], ROWS),
     ("volatile-argument",

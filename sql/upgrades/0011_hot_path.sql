@@ -21,6 +21,8 @@
 
 -- @include functions/_route_branches.sql
 -- @include functions/_shard_branches.sql
+-- @include functions/_local_shards.sql
+-- @include functions/_claim_row_local.sql
 -- @replace functions/_make_routes.sql
 SELECT idempotency._make_routes() AS routes_made;
 -- @replace functions/complete.sql
