@@ -365,6 +365,16 @@ def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
         assert conn.execute(LOCAL, (scope, "k1", tokens["k1"] - 1)).fetchone() == (None,)
         conn.execute("SET citus.enable_local_execution = off")
         assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+    # A shard with a second placement (a replicated shard) is left to Citus, which writes
+    # every copy: the row is added in a transaction that rolls back.
+    with psycopg.connect(home) as conn:
+        conn.execute(
+            "INSERT INTO pg_dist_placement (placementid, shardid, shardstate, shardlength,"
+            " groupid) SELECT 999999, get_shard_id_for_distribution_column("
+            "'idempotency.keys', %s::text), 1, 0, max(groupid) + 1 FROM pg_dist_node", (scope,))
+        assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+        assert conn.execute(LOCAL_CLAIM, (scope, "c0")).fetchone() == (None,)
+        conn.rollback()
     assert state("k1") == ("in_progress", None)
 
     with psycopg.connect(c.dsn, autocommit=True) as conn:

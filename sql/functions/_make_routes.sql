@@ -287,9 +287,10 @@ BEGIN
                     -- only while the shard stays here: first the lock Citus's own executor
                     -- takes before it writes to a shard (ShareLock on the shard's metadata),
                     -- which a shard move or split takes exclusively on every node before it
-                    -- stops writes, then the placement read under it (a moved shard's old
-                    -- table stays until Citus drops it, so the table's existence says
-                    -- nothing). A shard a split made after this was generated has no branch
+                    -- stops writes, then the placement read under it: the shard's only
+                    -- placement must be this node's (a moved shard's old table stays until
+                    -- Citus drops it, so the table's existence says nothing; a shard
+                    -- replicated to other nodes is left to Citus, which writes every copy). A shard a split made after this was generated has no branch
                     -- and runs nothing: the guess through Citus does the work until
                     -- maintain() generates the routes again. Not with Citus's local execution
                     -- off either: Citus would then reach this node's shards through
@@ -311,9 +312,11 @@ BEGIN
         'idempotency.keys', @fn@.scope);
     PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]);
     IF current_setting('citus.enable_local_execution') <> 'on'
-       OR NOT EXISTS (SELECT FROM pg_catalog.pg_dist_placement AS p,
-                             pg_catalog.pg_dist_local_group AS g
-                      WHERE p.shardid = v_shard AND p.groupid = g.groupid) THEN
+       -- The shard's one placement, and it is here.
+       OR (SELECT array_agg(p.groupid) FROM pg_catalog.pg_dist_placement AS p
+           WHERE p.shardid = v_shard)
+          IS DISTINCT FROM (SELECT ARRAY[g.groupid] FROM pg_catalog.pg_dist_local_group AS g)
+    THEN
         RETURN NULL;
     END IF;@branches@
     RETURN v_done;
@@ -403,9 +406,11 @@ BEGIN
         'idempotency.keys', _claim_row_local.scope);
     PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]);
     IF current_setting('citus.enable_local_execution') <> 'on'
-       OR NOT EXISTS (SELECT FROM pg_catalog.pg_dist_placement AS p,
-                             pg_catalog.pg_dist_local_group AS g
-                      WHERE p.shardid = v_shard AND p.groupid = g.groupid) THEN
+       -- The shard's one placement, and it is here.
+       OR (SELECT array_agg(p.groupid) FROM pg_catalog.pg_dist_placement AS p
+           WHERE p.shardid = v_shard)
+          IS DISTINCT FROM (SELECT ARRAY[g.groupid] FROM pg_catalog.pg_dist_local_group AS g)
+    THEN
         RETURN v_result;
     END IF;@branches@
     RETURN v_result;
