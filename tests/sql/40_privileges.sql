@@ -551,11 +551,13 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default" FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.proconfig IS NULL
       ORDER BY 1$$,
-    $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_complete_row'), ('_drop_released_row'),
-             ('_headers_ok'), ('_heartbeat_row'), ('_key_row'), ('_lease_ok'), ('_name_ok'), ('_new_token'),
-             ('_release_row'), ('_resume_row')$$,
+    $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_claim_row_local'), ('_complete_row'),
+             ('_drop_released_row'), ('_headers_ok'), ('_heartbeat_row'), ('_key_row'),
+             ('_lease_ok'), ('_local_shards'), ('_name_ok'), ('_new_token'), ('_release_row'),
+             ('_resume_row')$$,
     'every function pins search_path except the inlinable helpers and the generated routes '
-    || '(called only from functions that pin it; see _make_routes)'
+    || '(called only from functions that pin it; see _make_routes; _claim_row_local is the '
+    || 'single-server stub of one)'
 );
 -- The functions that turn partition bounds into text also pin DateStyle and TimeZone, so what
 -- they read does not depend on the caller's session (migration 0004).
@@ -580,16 +582,16 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", l.lanname::text COLLATE "default" FROM pg_proc AS p
       INNER JOIN pg_language AS l ON p.prolang = l.oid
       WHERE p.pronamespace = 'idempotency'::regnamespace
-        AND p.proname IN ('_headers_ok', '_lease_ok', '_name_ok', '_new_token')
+        AND p.proname IN ('_headers_ok', '_lease_ok', '_local_shards', '_name_ok', '_new_token')
       ORDER BY 1$$,
-    $$VALUES ('_headers_ok', 'sql'), ('_lease_ok', 'sql'), ('_name_ok', 'sql'),
-             ('_new_token', 'sql')$$,
+    $$VALUES ('_headers_ok', 'sql'), ('_lease_ok', 'sql'), ('_local_shards', 'sql'),
+             ('_name_ok', 'sql'), ('_new_token', 'sql')$$,
     'the helpers without search_path are SQL functions (the only kind that can be inlined)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace
-        AND p.proname IN ('_headers_ok', '_lease_ok', '_name_ok', '_new_token')
+        AND p.proname IN ('_headers_ok', '_lease_ok', '_local_shards', '_name_ok', '_new_token')
         AND (p.prosecdef OR p.proisstrict)$$,
     'the inlinable helpers are neither SECURITY DEFINER nor STRICT (either would stop inlining)'
 );
@@ -612,21 +614,22 @@ SELECT results_eq(
         ('_accept_row', 'v'), ('_canonical_json', 'i'), ('_check_headers', 'i'),
         ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
         ('_check_size', 's'), ('_check_time', 'i'),
-        ('_checkpoint_row', 'v'), ('_citus_custom_plans', 'v'),
+        ('_checkpoint_row', 'v'), ('_citus_custom_plans', 'v'), ('_claim_row_local', 'v'),
         ('_complete_row', 'v'), ('_completer_scopes', 's'),
         ('_create_partition', 'v'), ('_distributed', 's'), ('_drop_directory_rows', 'v'),
         ('_drop_released_row', 'v'),
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_keep_from', 's'), ('_key_hash', 'i'), ('_key_row', 'v'),
         ('_lease_error', 's'),
-        ('_lease_ok', 'i'), ('_lease_outcome', 's'), ('_maintain', 'v'), ('_make_partitions', 'v'),
+        ('_lease_ok', 'i'), ('_lease_outcome', 's'), ('_local_shards', 'i'), ('_maintain', 'v'),
+        ('_make_partitions', 'v'),
         ('_make_routes', 'v'), ('_mirror_completer_grants', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partitions', 's'), ('_premake', 'v'),
         ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_coordinator', 's'), ('_require_pg_cron', 's'),
         ('_require_read_committed', 's'), ('_resume_existing', 'v'),
-        ('_resume_row', 'v'), ('_route_branches', 'i'),
+        ('_resume_row', 'v'), ('_route_branches', 'i'), ('_shard_branches', 'i'),
         ('_test_clock', 's'), ('_write_tombstones', 'v'), ('accept', 'v'), ('canonical_json', 's'),
         ('checkpoint', 'v'), ('checkpoint_outcome', 'v'), ('claim', 'v'), ('complete', 'v'),
         ('complete_bytes', 'v'),
