@@ -321,8 +321,9 @@ def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
     """On a cluster claim()'s two INSERTs of a new key and complete()'s guess first run as
     static statements on the scope's own shards (_claim_row_local, _complete_row_local: generic
     plans), under the lock Citus's executor takes before it writes to a shard, when the node
-    running them holds that shard. On the other worker and on the coordinator they answer NULL
-    and write nothing; a block_writes move of the shard waits for a transaction that completed
+    running them holds that shard. On the other worker, on the coordinator, with local
+    execution off, under REPEATABLE READ and for a replicated shard they answer NULL and write
+    nothing; a block_writes move of the shard waits for a transaction that completed
     a key there, carries that completion, and afterwards the node it left answers NULL (its
     copy of the shard stays until Citus drops it); after a split they leave the work to Citus
     until maintain() gives the new shards their branches. Its own database: the shards move
@@ -365,6 +366,12 @@ def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
         assert conn.execute(LOCAL, (scope, "k1", tokens["k1"] - 1)).fetchone() == (None,)
         conn.execute("SET citus.enable_local_execution = off")
         assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+    # Under REPEATABLE READ the placement read would use the transaction's first snapshot,
+    # blind to a move that committed while the lock waited: left to Citus.
+    with psycopg.connect(home) as conn:
+        conn.execute("SET TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        assert conn.execute(LOCAL, (scope, "k1", tokens["k1"])).fetchone() == (None,)
+        conn.rollback()
     # A shard with a second placement (a replicated shard) is left to Citus, which writes
     # every copy: the row is added in a transaction that rolls back.
     with psycopg.connect(home) as conn:
