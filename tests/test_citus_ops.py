@@ -229,10 +229,11 @@ def test_keys_and_a_monitor_role_through_the_coordinator(citus_cluster: Any,
 
 
 def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> None:
-    """0.9.0 distributed, then 0010 applied on the coordinator and distribute() run again, as
-    docs/scale-out.md ("Upgrading") says: a key released under 0.9.0 is claimed afresh through
-    the coordinator (claim now calls _drop_released_row, new in 0010, on the worker) with a
-    greater token, metrics() counts across the workers, and nothing was lost."""
+    """0.9.0 distributed, then 0010 and 0011 applied on the coordinator and distribute() run
+    again, as docs/scale-out.md ("Upgrading") says: a key released under 0.9.0 is claimed afresh
+    through the coordinator (claim now calls _drop_released_row, new in 0010, on the worker)
+    with a greater token, metrics() counts across the workers, nothing was lost, and 0011's
+    local halves are generated on every worker."""
     coordinator = citus_cluster.coordinator
     files = sorted(MIGRATIONS.glob("*.sql"))
     old = [f for f in files if int(f.name[:4]) <= 9]
@@ -280,6 +281,12 @@ def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> 
         with psycopg.connect(worker.dsn(citus_db.rsplit("/", 1)[1]), autocommit=True) as conn:
             assert conn.execute("SELECT to_regprocedure('idempotency._drop_released_row("
                                 "text, text, timestamptz, bigint)') IS NOT NULL").fetchone()[0]
+            # 0011's local halves are in place on an upgraded cluster too (docs/design.md).
+            assert conn.execute("SELECT idempotency._local_shards()").fetchone() == (True,)
+            assert conn.execute(
+                "SELECT count(*) FROM pg_proc WHERE proname IN ('_claim_row_local',"
+                " '_complete_row_local') AND prosrc LIKE '%lock_shard_metadata%'"
+                " AND proconfig = '{plan_cache_mode=force_generic_plan}'").fetchone() == (2,)
 
 
 # -- issue 33: what a worker serves and what it refuses ----------------------------------------
