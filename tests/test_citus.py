@@ -59,13 +59,18 @@ class Cluster:
     def worker_dsns(self) -> list[str]:
         return [w.dsn(self.db) for w in self.workers]
 
+    def shard_of(self, scope: str) -> tuple[int, int]:
+        """scope's shard of keys and the port of the worker that holds it."""
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            return conn.execute(
+                "SELECT shardid, nodeport FROM citus_shards"
+                " WHERE table_name = 'idempotency.keys'::regclass"
+                " AND shardid = get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
+                (scope,)).fetchone()
+
     def node_of(self, scope: str) -> str:
         """DSN of the worker that holds scope's shard of keys."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            port = conn.execute(
-                "SELECT nodeport FROM citus_shards WHERE table_name = 'idempotency.keys'::regclass"
-                " AND shardid = get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
-                (scope,)).fetchone()[0]
+        port = self.shard_of(scope)[1]
         return next(w.dsn(self.db) for w in self.workers if w.port == port)
 
 
@@ -384,13 +389,8 @@ def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
         conn.rollback()
     assert state("k1") == ("in_progress", None)
 
-    with psycopg.connect(c.dsn, autocommit=True) as conn:
-        shard, port = conn.execute(
-            "SELECT shardid, nodeport FROM citus_shards WHERE table_name ="
-            " 'idempotency.keys'::regclass AND shardid ="
-            " get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
-            (scope,)).fetchone()
-        target = next(w.port for w in c.workers if w.port != port)
+    shard, port = c.shard_of(scope)
+    target = next(w.port for w in c.workers if w.port != port)
     moved: list[BaseException | None] = []
 
     def move() -> None:
@@ -904,13 +904,9 @@ def test_shard_move_under_load_loses_and_duplicates_nothing(citus: Cluster, ledg
     # Load on the shard before the move, and after it: counted completions, not seconds.
     wait_until(lambda: len(done) >= 25 or not any(t.is_alive() for t in threads),
                "25 completions before the move")
+    shard, port = citus.shard_of(scope)
+    target = next(w.port for w in citus.workers if w.port != port)
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
-        shard, port = conn.execute(
-            "SELECT shardid, nodeport FROM citus_shards WHERE table_name ="
-            " 'idempotency.keys'::regclass AND shardid ="
-            " get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
-            (scope,)).fetchone()
-        target = next(w.port for w in citus.workers if w.port != port)
         conn.execute("SELECT citus_move_shard_placement(%s, '127.0.0.1', %s, '127.0.0.1', %s,"
                      " shard_transfer_mode => 'block_writes')", (shard, port, target))
         moved_to = conn.execute(

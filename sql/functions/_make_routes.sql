@@ -180,6 +180,10 @@ DECLARE
     v_proc text;
     v_signature regprocedure;
     v_changed boolean := false;
+    v_distributed boolean := idempotency._distributed();
+    -- A local half's parameters (its route's without created_at), declared and as passed.
+    v_local_params text;
+    v_local_args text;
     -- On Citus: the shards of keys, their tables, and the co-located shards of key_directory.
     v_shards bigint[];
     v_shard_tables text[];
@@ -228,10 +232,10 @@ BEGIN
     INTO v_names, v_lowers, v_uppers
     FROM idempotency._partitions('keys') AS p
     WHERE NOT p.is_default AND p.lower_bound IS NOT NULL AND p.upper_bound IS NOT NULL
-      AND NOT idempotency._distributed();
+      AND NOT v_distributed;
     -- On Citus, the shards of keys and their tables, for the local routes (Citus's catalog
     -- exists only where it is installed: dynamic SQL).
-    IF idempotency._distributed() THEN
+    IF v_distributed THEN
         EXECUTE 'SELECT array_agg(s.shardid ORDER BY s.shardid), '
                 '       array_agg(pg_catalog.shard_name(s.logicalrelid, s.shardid) '
                 '                 ORDER BY s.shardid), '
@@ -289,18 +293,19 @@ BEGIN
                     '@table@', 'idempotency.keys')
                     || E'\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
                 IF v_shards IS NOT NULL THEN
+                    SELECT string_agg(trim(a), ', ' ORDER BY n),
+                           string_agg(format('%s.%s', v_fn, split_part(trim(a), ' ', 1)), ', '
+                                      ORDER BY n)
+                    INTO v_local_params, v_local_args
+                    FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY AS t (a, n)
+                    WHERE split_part(trim(a), ' ', 1) <> 'created_at';
                     -- On Citus the guess runs first in the route's local half, <route>_local,
                     -- on the scope's shard itself when this node holds it (see below); NULL
                     -- means not here or no row, and the guess through Citus follows.
                     v_lookup := format(
                         E'\n    v_done := idempotency.%1$I(%2$s);'
                         || E'\n    IF v_done IS NOT NULL THEN\n        RETURN v_done;'
-                        || E'\n    END IF;', v_fn || '_local',
-                        (SELECT string_agg(format('%s.%s', v_fn, split_part(trim(a), ' ', 1)),
-                                           ', ' ORDER BY n)
-                         FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY
-                              AS t (a, n)
-                         WHERE split_part(trim(a), ' ', 1) <> 'created_at'))
+                        || E'\n    END IF;', v_fn || '_local', v_local_args)
                         || v_lookup;
                     -- The local half. A delegated body's statements on the distributed
                     -- tables each go through Citus's planner and executor on the worker
@@ -324,12 +329,7 @@ BEGIN
                     -- execution off either: Citus would then reach this node's shards
                     -- through connections of their own, which would not see this write.
                     v_make := v_make || ARRAY[[
-                        v_fn || '_local',
-                        (SELECT string_agg(trim(a), ', ' ORDER BY n)
-                         FROM unnest(string_to_array(v_routes[i][2], ',')) WITH ORDINALITY
-                              AS t (a, n)
-                         WHERE split_part(trim(a), ' ', 1) <> 'created_at'),
-                        v_routes[i][3],
+                        v_fn || '_local', v_local_params, v_routes[i][3],
                         replace(replace(replace(v_local_source,
                                                 '@type@', v_routes[i][3]),
                                         '@fn@', v_fn || '_local'),

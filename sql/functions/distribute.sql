@@ -121,11 +121,12 @@ BEGIN
     END LOOP;
 
     -- Statements by scope go to the scope's shard and the worker prunes its partitions there:
-    -- the routes lose their per-partition branches, and _complete_row gains its local half
-    -- (see _make_routes), before the loop below creates the functions on every node.
+    -- the routes lose their per-partition branches, and complete's guess and claim's INSERTs
+    -- gain their local halves (see _make_routes), before the loop below creates the functions
+    -- on every node.
     IF idempotency._make_routes() THEN
         object := 'routes';
-        action := 'regenerated for Citus: no per-partition branches, a local half';
+        action := 'regenerated for Citus: no per-partition branches, local halves';
         RETURN NEXT;
     END IF;
 
