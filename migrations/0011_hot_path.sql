@@ -383,7 +383,10 @@ DECLARE
 BEGIN
     v_shard := pg_catalog.get_shard_id_for_distribution_column(
         'idempotency.keys', @fn@.scope);
-    PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]);
+    -- The lock as an expression, not a PERFORM: no plan or executor to start per call.
+    IF pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]) IS NULL THEN
+        RETURN NULL;
+    END IF;
     IF current_setting('citus.enable_local_execution') <> 'on'
        OR current_setting('transaction_isolation') <> 'read committed'
        -- The shard's one placement, and it is here.
@@ -1204,11 +1207,8 @@ BEGIN
     -- assignment costs about 2,000 CPU instructions per call however cheap its test, and
     -- 1,500 more per function it calls (docs/benchmarks.md, "late night"). Anything else
     -- takes the branch below, which checks in the documented order and says what is wrong.
-    -- coalesce: one NULL operand would make the whole test NULL. _local_shards() folds to a
-    -- constant: false on one server (no cost), true on a Citus cluster, where every call
-    -- takes the branch and its end tries the local shard first.
-    IF NOT coalesce(NOT idempotency._local_shards()
-                    AND claim.reference_time IS NULL AND claim.request IS NULL
+    -- coalesce: one NULL operand would make the whole test NULL.
+    IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
                     AND octet_length(claim.fingerprint) = 32
                     AND idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
                     AND idempotency._lease_ok(claim.lease)
@@ -1253,15 +1253,19 @@ BEGIN
         IF current_setting('transaction_isolation') <> 'read committed' THEN
             PERFORM idempotency._require_read_committed('idempotency.claim');
         END IF;
-        IF idempotency._local_shards() THEN
-            -- Citus: a new key's two rows by static statements on the scope's shards, when
-            -- this node holds them (see _make_routes); otherwise (a NULL outcome: the key
-            -- exists, or its shards are elsewhere) the statements below, through Citus.
-            v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
-                                                     claim.lease, v_now);
-            IF v_result.outcome IS NOT NULL THEN
-                RETURN v_result;
-            END IF;
+    END IF;
+    -- Citus: a new key's two rows by static statements on the scope's shards, when this node
+    -- holds them (see _make_routes); otherwise (a NULL outcome: the key exists, or its shards
+    -- are elsewhere) the statements below, through Citus. _local_shards() folds to a constant:
+    -- false on one server, where this IF costs about 900 instructions per call; true on a
+    -- cluster. Outside the branch above, so that a common call on a cluster skips the checks:
+    -- there each is planned afresh on every call (_citus_custom_plans), about 6% of a worker's
+    -- CPU per claim + complete when every claim took them (docs/benchmarks.md).
+    IF idempotency._local_shards() THEN
+        v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
+                                                 claim.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
         END IF;
     END IF;
 

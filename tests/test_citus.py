@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -459,6 +460,57 @@ def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
     assert (state("k3"), state("k4")) == (("completed", 202), ("completed", 201))
     assert (rows("c3"), rows("c4")) == ((1, 1), (1, 1))
     c.cluster.drop_database(c.db)
+
+
+def test_a_common_claim_skips_the_checks_and_goes_to_its_local_half(citus: Cluster) -> None:
+    """On a cluster claim()'s checks (_check_name, _check_lease...) are planned afresh on every
+    call, so a claim that passes the common-path test (our own fingerprint, a valid name and
+    lease) skips them and goes straight to _claim_row_local; a claim with a request takes the
+    checks. Counted with track_functions on the worker that runs the delegated calls."""
+    scope = _scope()
+    home = citus.node_of(scope)
+    counted = ("_check_name", "_check_lease", "_claim_row_local")
+
+    def calls(conn: psycopg.Connection) -> dict[str, int]:
+        return dict(conn.execute(
+            "SELECT funcname, calls FROM pg_stat_user_functions"
+            " WHERE schemaname = 'idempotency' AND funcname = ANY (%s)",
+            (list(counted),)).fetchall())
+
+    def after(conn: psycopg.Connection, before: dict[str, int], local: int) -> dict[str, int]:
+        """The calls since before, once the worker's backend has flushed the local half's."""
+        deadline = time.monotonic() + 10
+        while True:
+            conn.execute("SELECT pg_stat_clear_snapshot()")
+            now = calls(conn)
+            delta = {f: now.get(f, 0) - before.get(f, 0) for f in counted}
+            if delta["_claim_row_local"] >= local or time.monotonic() > deadline:
+                return delta
+            time.sleep(0.2)
+
+    with psycopg.connect(home, autocommit=True) as conn:
+        conn.execute("ALTER SYSTEM SET track_functions = 'all'")
+        conn.execute("SELECT pg_reload_conf()")
+    try:
+        time.sleep(0.5)  # the reload reaches the backends that serve the coordinator
+        with psycopg.connect(home, autocommit=True) as watch:
+            before = calls(watch)
+            with psycopg.connect(citus.dsn, autocommit=True) as conn:
+                for n in range(3):
+                    assert conn.execute(idem.queries.CLAIM, {
+                        "scope": scope, "key": f"fp{n}", "request": None,
+                        "lease": timedelta(seconds=30), "fingerprint": bytes(32),
+                        "strict": False, "reference_time": None}).fetchone()[0] == "claimed"
+            assert after(watch, before, 3) == {
+                "_check_name": 0, "_check_lease": 0, "_claim_row_local": 3}
+            before = calls(watch)
+            assert _claim(citus.dsn, scope, "req")[0] == "claimed"
+            assert after(watch, before, 1) == {
+                "_check_name": 2, "_check_lease": 1, "_claim_row_local": 1}
+    finally:
+        with psycopg.connect(home, autocommit=True) as conn:
+            conn.execute("ALTER SYSTEM RESET track_functions")
+            conn.execute("SELECT pg_reload_conf()")
 
 
 def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:

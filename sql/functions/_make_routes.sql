@@ -202,7 +202,10 @@ DECLARE
 BEGIN
     v_shard := pg_catalog.get_shard_id_for_distribution_column(
         'idempotency.keys', @fn@.scope);
-    PERFORM pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]);
+    -- The lock as an expression, not a PERFORM: no plan or executor to start per call.
+    IF pg_catalog.lock_shard_metadata(5, ARRAY[v_shard]) IS NULL THEN
+        RETURN NULL;
+    END IF;
     IF current_setting('citus.enable_local_execution') <> 'on'
        OR current_setting('transaction_isolation') <> 'read committed'
        -- The shard's one placement, and it is here.
