@@ -404,7 +404,8 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
         match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)",
                           out.get("stdout", ""))
         if proc.returncode != 0 or not match:
-            raise SystemExit(f"pgbench failed:\n{out.get('stdout')}\n{out.get('stderr')}")
+            raise SystemExit(f"pgbench failed:\n{out.get('stdout')}\n{out.get('stderr')}"
+                             + unfinished(counter, table))
         tps += float(match.group(1))
     window = {}
     for name in servers:
@@ -417,6 +418,20 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
             "complete_exec_us": (st2[name][3] - st1[name][3]) * 1000 / max(completes, 1),
         }
     return {"tps": tps, "window_s": t2 - t1, "pairs": pairs, "servers": window}
+
+
+def unfinished(counter: pgharness.PgServer, table: str) -> str:
+    """The script's keys of the last minute that no pair finished (a failed pgbench client's),
+    to say what its claim found: every other pair completes its key."""
+    if table != "idempotency.keys":
+        return ""
+    with psycopg.connect(counter.dsn(DB), autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT scope, key, state, lease_token, attempts, created_at FROM idempotency.keys"
+            " WHERE state <> 'completed' AND key ~ '^k[0-9]+$'"
+            " AND created_at > clock_timestamp() - interval '1 minute'"
+            " ORDER BY created_at DESC LIMIT 5").fetchall()
+    return "\nunfinished keys of the last minute:\n" + "\n".join(map(str, rows))
 
 
 SIDES = ("single", "cluster", "workers")
