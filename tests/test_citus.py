@@ -322,6 +322,41 @@ LOCAL_CLAIM = ("SELECT outcome FROM idempotency._claim_row_local(%s, %s, sha256(
                " clock_timestamp())")
 
 
+def test_complete_guesses_only_in_the_partition_of_its_own_time(citus: Cluster) -> None:
+    """On a cluster complete()'s guess looks for the key in the hour up to the completion's time
+    and only in the partition holding that time: ten minutes into a partition the hour reaches
+    back into the previous one (here the default partition), which the guess scanned too before
+    (every complete() in the first hour of a day paid for two index scans). Counted with
+    pg_stat_xact_user_tables on the worker holding the scope, for the local half; the route's
+    guess through Citus has the same test of created_at."""
+    scope = _scope()
+    shard = citus.shard_of(scope)[0]
+    with psycopg.connect(citus.node_of(scope)) as conn:
+        conn.execute("SET citus.override_table_visibility = off")  # shards hide in pg_class
+        conn.commit()
+        start = conn.execute(
+            "SELECT date_bin(s.partition_interval, clock_timestamp(),"
+            " timestamptz '2000-01-01 00:00:00+00') FROM idempotency.settings AS s").fetchone()[0]
+        scanned = ("SELECT c.relname FROM pg_stat_xact_user_tables AS t"
+                   " JOIN pg_inherits AS i ON i.inhrelid = t.relid"
+                   " JOIN pg_class AS c ON c.oid = t.relid"
+                   " WHERE i.inhparent = %s::regclass AND t.idx_scan + t.seq_scan > 0")
+        # Ten minutes in (the hour reaches back), and ninety (it does not).
+        for minutes in (10, 90):
+            at = start + timedelta(minutes=minutes)
+            assert conn.execute(LOCAL.replace("clock_timestamp()", "%s"),
+                                (scope, "absent", 1, at)).fetchone() == (None,)
+            names = [r[0] for r in conn.execute(scanned, (f"idempotency.keys_{shard}",))]
+            conn.rollback()
+            assert len(names) == 1 and not names[0].startswith("keys_default"), (minutes, names)
+        local, route = (conn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s",
+                                     (name,)).fetchone()[0]
+                        for name in ("_complete_row_local", "_complete_row"))
+    window = [line.strip() for line in local.splitlines() if "date_bin" in line]
+    assert window and all(line.replace("_complete_row_local.", "_complete_row.") in route
+                          for line in window)
+
+
 def test_claim_and_complete_write_the_local_shard_only_while_the_shard_is_there(
         citus_cluster: Any) -> None:
     """On a cluster claim()'s two INSERTs of a new key and complete()'s guess first run as

@@ -28,7 +28,8 @@
 --
 -- A route may also have a guess: a statement run first, when the caller passes created_at NULL,
 -- on the partition that holds another of its arguments (without partitions to branch on, as on
--- Citus: on the parent, for a key created in the hour up to that argument), without reading
+-- Citus: on the parent, for a key created in the hour up to that argument and in its
+-- partition), without reading
 -- key_directory. Only _complete_row has one: complete() comes within a lease of the claim, so
 -- the key's row is nearly always in the partition of the completion's own time, and the
 -- directory read it saves was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3").
@@ -181,6 +182,11 @@ DECLARE
     v_signature regprocedure;
     v_changed boolean := false;
     v_distributed boolean := idempotency._distributed();
+    -- The width of a partition of keys (see below: the guess's window).
+    v_interval interval;
+    -- The guess's test of created_at where there are no partitions to branch on (see below),
+    -- with @fn@ for the function's name.
+    v_window text;
     -- A local half's parameters (its route's without created_at), declared and as passed.
     v_local_params text;
     v_local_args text;
@@ -253,6 +259,8 @@ BEGIN
         USING 'idempotency.keys'::regclass, 'idempotency.key_directory'::regclass;
     END IF;
 
+    SELECT s.partition_interval INTO v_interval FROM idempotency.settings AS s;
+
     FOR i IN 1 .. array_length(v_routes, 1) LOOP
         v_fn := v_routes[i][1];
         v_stmt := replace(v_routes[i][4], '@fn@', v_fn);
@@ -286,13 +294,29 @@ BEGIN
                 -- No partitions to branch on (on Citus the statement goes to the scope's
                 -- shard, and the shard's partitions are pruned where it runs): the guess is
                 -- the statement on the parent for a key created in the hour up to the
-                -- argument, which the plan prunes to the one or two partitions holding that
-                -- hour. On Citus a directory read is a statement through Citus's executor
-                -- like any other, which the guess saves.
+                -- argument and in the argument's own partition (the bin of
+                -- settings.partition_interval that holds it, as _make_partitions bins), which
+                -- the plan prunes to that one partition. Without the partition's bound the
+                -- hour reached into the previous partition for the first hour of each one
+                -- (the previous day's, or the default partition) and every guess scanned two:
+                -- workers' CPU per claim + complete 500 -> 610 µs after midnight
+                -- (docs/benchmarks.md). A key claimed in the previous partition and completed
+                -- in this one misses the guess and is read through the directory below. On
+                -- Citus a directory read is a statement through Citus's executor like any
+                -- other, which the guess saves. The width as seconds: date_bin counts a day
+                -- as 24 hours either way, and the literal reads back under any IntervalStyle.
+                v_window := format(
+                    E'\n          AND k.created_at > @fn@.%1$s - interval ''1 hour'''
+                    || E'\n          AND k.created_at >= pg_catalog.date_bin('
+                    || E'interval ''%2$s seconds'', @fn@.%1$s,'
+                    || E'\n                                                   '
+                    || E'timestamptz ''2000-01-01 00:00:00+00'')'
+                    || E'\n          AND k.created_at <= @fn@.%1$s',
+                    v_routes[i][5],
+                    trim_scale(extract(EPOCH FROM coalesce(v_interval, interval '1 day'))));
                 v_lookup := replace(replace(v_stmt, format(
-                        E'\n          AND k.created_at = %s.created_at', v_fn), format(
-                        E'\n          AND k.created_at > %1$s.%2$s - interval ''1 hour'''
-                        || E'\n          AND k.created_at <= %1$s.%2$s', v_fn, v_routes[i][5])),
+                        E'\n          AND k.created_at = %s.created_at', v_fn),
+                        replace(v_window, '@fn@', v_fn)),
                     '@table@', 'idempotency.keys')
                     || E'\n    IF FOUND THEN\n        RETURN v_done;\n    END IF;';
                 IF v_shards IS NOT NULL THEN
@@ -339,11 +363,8 @@ BEGIN
                             -- Last, so that nothing in the statements is replaced.
                             '@branches@', idempotency._shard_branches(v_shards, ARRAY(
                                 SELECT replace(replace(replace(v_routes[i][4],
-                                    E'\n          AND k.created_at = @fn@.created_at', format(
-                                    E'\n          AND k.created_at > @fn@.%1$s'
-                                    || E' - interval ''1 hour'''
-                                    || E'\n          AND k.created_at <= @fn@.%1$s',
-                                    v_routes[i][5])), '@fn@', v_fn || '_local'),
+                                    E'\n          AND k.created_at = @fn@.created_at',
+                                    v_window), '@fn@', v_fn || '_local'),
                                     '@table@', s.name)
                                 FROM unnest(v_shard_tables) WITH ORDINALITY AS s (name, n)
                                 ORDER BY s.n))),
@@ -353,7 +374,8 @@ BEGIN
                         'force_generic_plan',
                         format('Internal, generated by _make_routes() on Citus: %s on the '
                                'scope''s shard of keys when this node holds it, for a key '
-                               'created in the hour up to %s; NULL otherwise.',
+                               'created in the hour up to %s and in its partition; NULL '
+                               'otherwise.',
                                v_routes[i][6], v_routes[i][5]),
                         'plpgsql VOLATILE']];
                 END IF;
