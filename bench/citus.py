@@ -373,8 +373,13 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
     snapshots of the CPU and statement counters of every server in servers 1 s after the start
     and about 1.5 s before the end. The claim + complete pairs in that window are the keys
     created in it (claim's created_at, or the recipe's: ``table``), counted through counter."""
+    # --random-seed=rand: pgbench seeds its random keys from the time in microseconds by
+    # default, and two processes started together can read the same microsecond; their clients
+    # then draw the same scope and key in the same order, and the second claim of each key
+    # answers in_progress with no lease token (the one warm-up that failed, see
+    # docs/benchmarks.md). A seed from a strong source keeps each process's keys its own.
     procs = [subprocess.Popen(
-        [str(entry.bindir / "pgbench"), "-n", "-M", "prepared",
+        [str(entry.bindir / "pgbench"), "-n", "-M", "prepared", "--random-seed=rand",
          "-c", str(clients // len(entries)), "-j", str(max(2 // len(entries), 1)),
          "-T", str(seconds), "-f", str(script), entry.dsn(DB)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for entry in entries]
