@@ -335,8 +335,8 @@ def test_complete_guesses_only_in_the_partition_of_its_own_time(citus: Cluster) 
         conn.execute("SET citus.override_table_visibility = off")  # shards hide in pg_class
         conn.commit()
         start = conn.execute(
-            "SELECT date_bin(s.partition_interval, clock_timestamp(),"
-            " timestamptz '2000-01-01 00:00:00+00') FROM idempotency.settings AS s").fetchone()[0]
+            "SELECT idempotency._partition_start(s.partition_interval, clock_timestamp())"
+            " FROM idempotency.settings AS s").fetchone()[0]
         scanned = ("SELECT c.relname FROM pg_stat_xact_user_tables AS t"
                    " JOIN pg_inherits AS i ON i.inhrelid = t.relid"
                    " JOIN pg_class AS c ON c.oid = t.relid"
@@ -352,7 +352,7 @@ def test_complete_guesses_only_in_the_partition_of_its_own_time(citus: Cluster) 
         local, route = (conn.execute("SELECT prosrc FROM pg_proc WHERE proname = %s",
                                      (name,)).fetchone()[0]
                         for name in ("_complete_row_local", "_complete_row"))
-    window = [line.strip() for line in local.splitlines() if "date_bin" in line]
+    window = [line.strip() for line in local.splitlines() if "_partition_start" in line]
     assert window and all(line.replace("_complete_row_local.", "_complete_row.") in route
                           for line in window)
 

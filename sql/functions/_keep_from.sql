@@ -31,11 +31,11 @@ BEGIN
             EXIT;
         END IF;
     END LOOP;
-    EXECUTE format('SELECT date_bin($1, max(d.%I), $2) FROM idempotency.%I AS d',
+    EXECUTE format('SELECT idempotency._partition_start($1, max(d.%I)) FROM idempotency.%I AS d',
                    CASE _keep_from.parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END,
                    _keep_from.parent || '_default')
     INTO v_default_newest
-    USING _keep_from.partition_interval, timestamptz '2000-01-01 00:00:00+00';
+    USING _keep_from.partition_interval;
     RETURN greatest(v_keep_from, v_default_newest);
 END;
 $$;

@@ -20,8 +20,8 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_interval interval := (_make_partitions.settings).partition_interval;
-    v_origin CONSTANT timestamptz := timestamptz '2000-01-01 00:00:00+00';
-    v_current timestamptz := date_bin(v_interval, _make_partitions.reference_time, v_origin);
+    v_current timestamptz :=
+        idempotency._partition_start(v_interval, _make_partitions.reference_time);
     v_last timestamptz :=
         v_current + ((_make_partitions.settings).premake + 1) * v_interval;
     v_column text := CASE _make_partitions.parent WHEN 'inbox' THEN 'received_at'
@@ -38,9 +38,9 @@ BEGIN
     -- 1. Rows in the default partition, one partition_interval bucket at a time. (Expired rows
     --    were deleted in phase 1, so what is left is live.)
     FOR v_bucket IN
-        EXECUTE format('SELECT DISTINCT date_bin($1, d.%I, $2) FROM idempotency.%I AS d '
-                       'ORDER BY 1', v_column, v_default)
-        USING v_interval, v_origin
+        EXECUTE format('SELECT DISTINCT idempotency._partition_start($1, d.%I) '
+                       'FROM idempotency.%I AS d ORDER BY 1', v_column, v_default)
+        USING v_interval
     LOOP
         v_step := ROW('skipped', _make_partitions.parent, v_default, v_bucket,
                       v_bucket + v_interval, NULL::bigint, NULL::text);

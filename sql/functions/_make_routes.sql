@@ -294,8 +294,8 @@ BEGIN
                 -- No partitions to branch on (on Citus the statement goes to the scope's
                 -- shard, and the shard's partitions are pruned where it runs): the guess is
                 -- the statement on the parent for a key created in the hour up to the
-                -- argument and in the argument's own partition (the bin of
-                -- settings.partition_interval that holds it, as _make_partitions bins), which
+                -- argument and in the argument's own partition (_partition_start of
+                -- settings.partition_interval, as maintain() bounds the partitions), which
                 -- the plan prunes to that one partition. Without the partition's bound the
                 -- hour reached into the previous partition for the first hour of each one
                 -- (the previous day's, or the default partition) and every guess scanned two:
@@ -307,10 +307,8 @@ BEGIN
                 -- as 24 hours either way, and the literal reads back under any IntervalStyle.
                 v_window := format(
                     E'\n          AND k.created_at > @fn@.%1$s - interval ''1 hour'''
-                    || E'\n          AND k.created_at >= pg_catalog.date_bin('
-                    || E'interval ''%2$s seconds'', @fn@.%1$s,'
-                    || E'\n                                                   '
-                    || E'timestamptz ''2000-01-01 00:00:00+00'')'
+                    || E'\n          AND k.created_at >= idempotency._partition_start('
+                    || E'interval ''%2$s seconds'', @fn@.%1$s)'
                     || E'\n          AND k.created_at <= @fn@.%1$s',
                     v_routes[i][5],
                     trim_scale(extract(EPOCH FROM coalesce(v_interval, interval '1 day'))));

@@ -1,6 +1,6 @@
 -- Makes sure the partition holding reference_time and settings.premake partitions after it
--- exist, for both tables. Partition bounds are aligned on partition_interval from
--- 2000-01-01 00:00 UTC, so every installer and every run computes the same ranges.
+-- exist, for both tables. Partition bounds are aligned as _partition_start aligns them, so
+-- every installer and every run computes the same ranges.
 CREATE FUNCTION idempotency._premake(reference_time timestamptz DEFAULT now())
 RETURNS integer
 LANGUAGE plpgsql
@@ -16,8 +16,8 @@ BEGIN
     -- The settings row is made on first use (see sql/tables/settings.sql).
     INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
     SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
-    v_start := date_bin(v_settings.partition_interval, _premake.reference_time,
-                        timestamptz '2000-01-01 00:00:00+00');
+    v_start := idempotency._partition_start(v_settings.partition_interval,
+                                            _premake.reference_time);
     FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox'] LOOP
         FOR i IN 0 .. v_settings.premake LOOP
             IF idempotency._create_partition(

@@ -19,6 +19,11 @@
 --   migration's end, since a migration puts the sources' generic plans back).
 -- No table changes; no data moves.
 
+-- The partitions' origin (2000-01-01 00:00 UTC) written once, in _partition_start, which
+-- _premake, _make_partitions, _keep_from and complete()'s guess on Citus bin with. Same bounds.
+-- @include functions/_partition_start.sql
+-- @replace functions/_premake.sql
+-- @replace functions/_make_partitions.sql
 -- @include functions/_route_branches.sql
 -- @include functions/_shard_branches.sql
 -- @include functions/_local_shards.sql
