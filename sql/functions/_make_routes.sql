@@ -294,9 +294,11 @@ BEGIN
                 -- No partitions to branch on (on Citus the statement goes to the scope's
                 -- shard, and the shard's partitions are pruned where it runs): the guess is
                 -- the statement on the parent for a key created in the hour up to the
-                -- argument and in the argument's own partition (_partition_start of
-                -- settings.partition_interval, as maintain() bounds the partitions), which
-                -- the plan prunes to that one partition. Without the partition's bound the
+                -- argument and in the argument's own partition (its bin of
+                -- settings.partition_interval from _partition_origin(), as _partition_start
+                -- bins for maintain()), which the plan prunes to that one partition. date_bin
+                -- and the origin's value, not a call of _partition_start: with constant
+                -- arguments (custom plans) the planner would run that SQL function, ~10 µs. Without the partition's bound the
                 -- hour reached into the previous partition for the first hour of each one
                 -- (the previous day's, or the default partition) and every guess scanned two:
                 -- workers' CPU per claim + complete 500 -> 610 µs after midnight
@@ -307,11 +309,14 @@ BEGIN
                 -- as 24 hours either way, and the literal reads back under any IntervalStyle.
                 v_window := format(
                     E'\n          AND k.created_at > @fn@.%1$s - interval ''1 hour'''
-                    || E'\n          AND k.created_at >= idempotency._partition_start('
-                    || E'interval ''%2$s seconds'', @fn@.%1$s)'
+                    || E'\n          AND k.created_at >= pg_catalog.date_bin('
+                    || E'interval ''%2$s seconds'', @fn@.%1$s,'
+                    || E'\n                                                   '
+                    || E'timestamptz %3$L)'
                     || E'\n          AND k.created_at <= @fn@.%1$s',
                     v_routes[i][5],
-                    trim_scale(extract(EPOCH FROM coalesce(v_interval, interval '1 day'))));
+                    trim_scale(extract(EPOCH FROM coalesce(v_interval, interval '1 day'))),
+                    idempotency._partition_origin());
                 v_lookup := replace(replace(v_stmt, format(
                         E'\n          AND k.created_at = %s.created_at', v_fn),
                         replace(v_window, '@fn@', v_fn)),

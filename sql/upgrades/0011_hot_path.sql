@@ -19,8 +19,10 @@
 --   migration's end, since a migration puts the sources' generic plans back).
 -- No table changes; no data moves.
 
--- The partitions' origin (2000-01-01 00:00 UTC) written once, in _partition_start, which
--- _premake, _make_partitions, _keep_from and complete()'s guess on Citus bin with. Same bounds.
+-- The partitions' origin (2000-01-01 00:00 UTC) written once, in _partition_origin, which
+-- _partition_start (for _premake, _make_partitions, _keep_from) and complete()'s guess on
+-- Citus bin with. Same bounds.
+-- @include functions/_partition_origin.sql
 -- @include functions/_partition_start.sql
 -- @replace functions/_premake.sql
 -- @replace functions/_make_partitions.sql
