@@ -40,9 +40,8 @@ from typing import Any
 
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
-from psycopg.rows import dict_row
 
-from . import __version__, maintenance, queries
+from . import __version__, core, maintenance, queries
 from .migrate import MigrationError, install_sql, migrate, migrations, sql_path
 
 PROG = "pg-idempotency"
@@ -207,7 +206,7 @@ NOT_CONFIRMED = 6
 
 
 def _key_rows(conn: psycopg.Connection, query: str, params: dict[str, Any]) -> list[dict]:
-    with conn.cursor(row_factory=dict_row) as cur:
+    with conn.cursor(row_factory=core.dict_rows(conn)) as cur:
         return cur.execute(query, params).fetchall()  # type: ignore[arg-type]
 
 

@@ -840,6 +840,44 @@ def _first_result(results: list[Any], encoding: str) -> Any:
     return results[0]
 
 
+def _codec(pgconn: Any) -> str:
+    """The Python codec of the package's text on a connection: its client encoding's, except
+    under SQL_ASCII (which psycopg names "ascii"). There the server converts nothing and psycopg
+    sends text as UTF-8, so the package binds and reads its own text as UTF-8 too: a key that is
+    not ASCII is sent as the same bytes as under UTF8, and read back as the same string."""
+    encoding: str = pgconn._encoding
+    return "utf-8" if encoding == "ascii" else encoding
+
+
+# text, varchar, bpchar, name, unknown: the types psycopg's text loader reads
+_TEXT_OIDS: Final = frozenset((25, 1043, 1042, 19, 705))
+
+
+def _utf8_dict_row(cursor: Any) -> Callable[[Any], dict[str, Any]]:
+    """dict_row under a SQL_ASCII client encoding, where psycopg's text loader returns bytes
+    (it cannot know the bytes' encoding): the text columns decoded as UTF-8, what the package
+    sent (see _codec). Without it an outcome read b'completed', not 'completed', and a complete
+    already committed raised in the caller's hands."""
+    make = dict_row(cursor)
+    texts = [i for i, column in enumerate(cursor.description or ())
+             if column.type_code in _TEXT_OIDS]
+
+    def row(values: Any) -> dict[str, Any]:
+        values = list(values)
+        for i in texts:
+            if isinstance(values[i], (bytes, bytearray, memoryview)):
+                values[i] = bytes(values[i]).decode("utf-8")
+        return make(values)
+
+    return row
+
+
+def dict_rows(conn: Any) -> Any:
+    """The row factory of every cursor the package opens on a psycopg connection: dict_row,
+    with text decoded as UTF-8 under a SQL_ASCII client encoding (_utf8_dict_row)."""
+    return _utf8_dict_row if conn.pgconn._encoding == "ascii" else dict_row
+
+
 def _text_row(res: Any, fetch: str, encoding: str) -> Any:
     """A text result as the dict rows fetchone()/fetchall() would give with psycopg's default
     text loader, decoded here (no loader an application registered is involved): the
@@ -861,7 +899,7 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 conn.autocommit = False
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
-        encoding = conn.pgconn._encoding
+        encoding = _codec(conn.pgconn)
         if _OWN_SEND and _PREPARE is False:
             bound = _bound(_SHORT.get(q.binary_sql, q.binary_sql), q.params, encoding)
             if bound is not None:
@@ -872,23 +910,23 @@ def _execute(conn: psycopg.Connection[Any], q: _Query) -> Any:
         # cannot ask for binary results)
         with psycopg.Cursor(conn) as bcur:
             bcur.execute(q.binary_sql, q.params, prepare=_PREPARE, binary=True)
-            return claim_result_of(bcur.pgresult, conn.pgconn._encoding)
+            return claim_result_of(bcur.pgresult, _codec(conn.pgconn))
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         # The statement and COMMIT in one simple Query message: one round trip, with the
         # values bound here (psycopg quotes them for the connection's settings) and none of
         # a pipeline's machinery, which costs the app more CPU than the round trip it saves
         # (docs/benchmarks.md). An error in the statement skips the COMMIT.
         if _OWN_SEND:
-            encoding = conn.pgconn._encoding
+            encoding = _codec(conn.pgconn)
             text, short = _commit_text(conn, q, encoding)
             if text is not None:
                 with conn.lock:
                     results = conn.wait(_send_simple(conn, text))
                 return _commit_row(_first_result(results, encoding), short, q.fetch, encoding)
-        with psycopg.ClientCursor(conn, row_factory=dict_row) as ccur:
+        with psycopg.ClientCursor(conn, row_factory=dict_rows(conn)) as ccur:
             ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return ccur.fetchone() if q.fetch == "one" else ccur.fetchall()
-    with conn.cursor(row_factory=dict_row) as cur:
+    with conn.cursor(row_factory=dict_rows(conn)) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
             cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
@@ -914,7 +952,7 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
             if not conn.broken:  # a lost connection cannot switch (its status is UNKNOWN)
                 await conn.set_autocommit(False)
     if q.binary_sql is not None and conn.pgconn.pipeline_status == PipelineStatus.OFF:
-        encoding = conn.pgconn._encoding
+        encoding = _codec(conn.pgconn)
         if _OWN_SEND and _PREPARE is False:
             bound = _bound(_SHORT.get(q.binary_sql, q.binary_sql), q.params, encoding)
             if bound is not None:
@@ -923,19 +961,19 @@ async def _aexecute(conn: psycopg.AsyncConnection[Any], q: _Query) -> Any:
                 return claim_result_of(_first_result(results, encoding), encoding)
         async with psycopg.AsyncCursor(conn) as bcur:
             await bcur.execute(q.binary_sql, q.params, prepare=_PREPARE, binary=True)
-            return claim_result_of(bcur.pgresult, conn.pgconn._encoding)
+            return claim_result_of(bcur.pgresult, _codec(conn.pgconn))
     if q.commit and _PREPARE is False and conn.pgconn.pipeline_status == PipelineStatus.OFF:
         if _OWN_SEND:
-            encoding = conn.pgconn._encoding
+            encoding = _codec(conn.pgconn)
             text, short = _commit_text(conn, q, encoding)
             if text is not None:
                 async with conn.lock:
                     results = await conn.wait(_send_simple(conn, text))
                 return _commit_row(_first_result(results, encoding), short, q.fetch, encoding)
-        async with psycopg.AsyncClientCursor(conn, row_factory=dict_row) as ccur:
+        async with psycopg.AsyncClientCursor(conn, row_factory=dict_rows(conn)) as ccur:
             await ccur.execute(q.sql + Q.AND_COMMIT, q.params, prepare=False)
             return await (ccur.fetchone() if q.fetch == "one" else ccur.fetchall())
-    async with conn.cursor(row_factory=dict_row) as cur:
+    async with conn.cursor(row_factory=dict_rows(conn)) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             await cur.execute(q.sql, q.params, prepare=_PREPARE)  # type: ignore[arg-type]
             await conn.execute(Q.COMMIT, prepare=_PREPARE)

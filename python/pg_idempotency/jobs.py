@@ -34,7 +34,6 @@ from datetime import timedelta
 from typing import Any
 
 import psycopg
-from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
 from . import api, core
@@ -133,7 +132,7 @@ class Worker:
     def run_once(self) -> bool:
         """Read one message and handle it; False when the queue had none visible."""
         with self.conn.transaction():
-            with self.conn.cursor(row_factory=dict_row) as cur:
+            with self.conn.cursor(row_factory=core.dict_rows(self.conn)) as cur:
                 msg = cur.execute(Q.PGMQ_READ, {"queue": self.queue, "vt": self._vt},
                                   prepare=core._PREPARE).fetchone()
         if msg is None:

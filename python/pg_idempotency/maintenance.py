@@ -38,7 +38,6 @@ from typing import Any
 
 import psycopg
 from psycopg import pq
-from psycopg.rows import dict_row
 
 from . import core
 from . import queries as Q
@@ -97,7 +96,7 @@ def run_maintenance(
         raise ValueError("run_maintenance commits each run: call it outside a transaction")
     steps: list[MaintenanceStep] = []
     for attempt in range(1, attempts + 1):
-        with conn.transaction(), conn.cursor(row_factory=dict_row) as cur:
+        with conn.transaction(), conn.cursor(row_factory=core.dict_rows(conn)) as cur:
             rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time},
                                prepare=core._PREPARE).fetchall()
         this_run = [MaintenanceStep(**_times(row, "lower_bound", "upper_bound"), attempt=attempt)
@@ -131,7 +130,7 @@ def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None 
     Runs in the caller's transaction if there is one.
     """
     params = {"reference_time": reference_time}
-    with conn.cursor(row_factory=dict_row) as cur:
+    with conn.cursor(row_factory=core.dict_rows(conn)) as cur:
         keys = cur.execute(Q.KEY_STATUS, params, prepare=core._PREPARE).fetchall()
         partitions = cur.execute(Q.PARTITION_STATUS, params, prepare=core._PREPARE).fetchall()
     return Status(

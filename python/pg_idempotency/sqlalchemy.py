@@ -46,7 +46,6 @@ from typing import Any
 
 import psycopg
 from psycopg.pq import TransactionStatus
-from psycopg.rows import dict_row
 from sqlalchemy import event
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engine
@@ -161,7 +160,7 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
         try:
             if isinstance(request, core._Query):
                 raw = _psycopg(session.connection().connection.driver_connection)
-                with raw.cursor(row_factory=dict_row) as cur:
+                with raw.cursor(row_factory=core.dict_rows(raw)) as cur:
                     cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
                 if request.commit:  # complete(): the ORM's writes commit with it
@@ -199,7 +198,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
             if isinstance(request, core._Query):
                 conn = await session.connection()
                 raw = _psycopg((await conn.get_raw_connection()).driver_connection)
-                async with raw.cursor(row_factory=dict_row) as cur:
+                async with raw.cursor(row_factory=core.dict_rows(raw)) as cur:
                     await cur.execute(request.sql, request.params, prepare=core._PREPARE)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
                 if request.commit:
