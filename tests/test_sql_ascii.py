@@ -30,7 +30,7 @@ from psycopg import sql
 
 import pg_idempotency as idem
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute
-from pg_idempotency import core
+from pg_idempotency import aio, core
 from pgharness import PgServer
 
 KEYS = ["plain", "clé 'é'\\", "漢字-€", "o'brien"]
@@ -90,6 +90,27 @@ def test_operation_under_a_sql_ascii_client_encoding(db: str) -> None:
     # the same rows, byte for byte, as a UTF8 session writes
     assert [k for k, _ in _stored(db, "sc'é")] == [k for k, _ in _stored(db, "utf8")]
     assert sorted(k for k, _ in _stored(db, "utf8")) == sorted(
+        [k.encode() for k in KEYS] + ["lease-é".encode()])
+
+
+@pytest.mark.anyio
+async def test_aio_operation_under_a_sql_ascii_client_encoding(db: str) -> None:
+    async with await psycopg.AsyncConnection.connect(
+            db, autocommit=True, client_encoding="SQL_ASCII") as conn:
+        for key in KEYS:
+            async with aio.operation(conn, "aio", key, {"k": key}) as op:
+                assert op.outcome is idem.Outcome.CLAIMED
+                assert await op.checkpoint("step-é") is not None
+                stored = await op.complete(201, ANSWER)
+            async with aio.operation(conn, "aio", key, {"k": key}) as op:
+                assert op.replay is not None and op.replay.json() == ANSWER
+                assert op.replay.completed_at == stored.completed_at
+        result = await aio.claim(conn, "aio", "lease-é", {"b": 2})
+        assert result.outcome is idem.Outcome.CLAIMED
+        await aio.release(conn, "aio", "lease-é", result.lease_token)
+        again = await aio.claim(conn, "aio", "lease-é", {"b": 2})
+        assert again.outcome is idem.Outcome.CLAIMED and again.lease_token > result.lease_token
+    assert sorted(k for k, _ in _stored(db, "aio")) == sorted(
         [k.encode() for k in KEYS] + ["lease-é".encode()])
 
 
