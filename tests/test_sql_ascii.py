@@ -11,6 +11,7 @@ session's client encoding set to SQL_ASCII, and on a SQL_ASCII database:
   not ASCII and need quoting, through the package's own sends and through psycopg's cursors
   (heartbeat, checkpoint, release, the calls in a pipeline); every value read back is a str,
   and the row holds the key's UTF-8 bytes, as under UTF8;
+- the CLI (status, migrate) on a SQL_ASCII database;
 - on a SQL_ASCII database the engine sees bytes, not characters (docs/sql-api.md, "Text and
   encodings"): a byte 0x80-0x9f in a name counts as a control character (IK013, as for "€"),
   a key whose bytes are not UTF-8 is refused with 22021 before anything is written (claim
@@ -20,6 +21,7 @@ session's client encoding set to SQL_ASCII, and on a SQL_ASCII database:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from typing import Any
 import psycopg
 import pytest
 from psycopg import sql
+from test_cli import run
 
 import pg_idempotency as idem
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute
@@ -160,3 +163,19 @@ def test_a_sql_ascii_database(sql_ascii_db: str) -> None:
     assert sorted(k for k, _ in _stored(sql_ascii_db, "sc'é")) == sorted(
         [k.encode() for k in DB_KEYS] + ["lease-é".encode()])
     assert _stored(sql_ascii_db, "s") == []
+
+
+def test_the_cli_on_a_sql_ascii_database(sql_ascii_db: str) -> None:
+    with psycopg.connect(sql_ascii_db, autocommit=True) as conn:
+        claimed = idem.claim(conn, "cli-é", "k-ñ", {"a": 1})
+        idem.complete(conn, "cli-é", "k-ñ", claimed.lease_token, 201)
+        idem.claim(conn, "cli-é", "open-ñ", {"a": 1})
+    proc = run("status", "--dsn", sql_ascii_db, "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    [scope] = doc["scopes"]
+    assert (scope["scope"], scope["keys"], scope["in_progress"], scope["completed"]) == (
+        "cli-é", 2, 1, 1)
+    assert scope["oldest_in_progress_key"] == "open-ñ"
+    proc = run("migrate", "--dsn", sql_ascii_db)
+    assert proc.returncode == 0, proc.stderr
