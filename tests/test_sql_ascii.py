@@ -11,7 +11,9 @@ session's client encoding set to SQL_ASCII, and on a SQL_ASCII database:
   not ASCII and need quoting, through the package's own sends and through psycopg's cursors
   (heartbeat, checkpoint, release, the calls in a pipeline); every value read back is a str,
   and the row holds the key's UTF-8 bytes, as under UTF8;
-- the CLI (status, migrate) on a SQL_ASCII database;
+- the CLI (status, migrate) on a SQL_ASCII database, and a SQLAlchemy session there as the
+  request role (SQLAlchemy's psycopg dialect itself does not connect under a SQL_ASCII client
+  encoding: its sessions set UTF8);
 - on a SQL_ASCII database the engine sees bytes, not characters (docs/sql-api.md, "Text and
   encodings"): a byte 0x80-0x9f in a name counts as a control character (IK013, as for "€"),
   a key whose bytes are not UTF-8 is refused with 22021 before anything is written (claim
@@ -28,12 +30,15 @@ from typing import Any
 
 import psycopg
 import pytest
+import sqlalchemy
 from psycopg import sql
+from sqlalchemy.orm import Session
 from test_cli import run
 
 import pg_idempotency as idem
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute
+from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute, login_roles
 from pg_idempotency import aio, core
+from pg_idempotency.sqlalchemy import operation as sa_operation
 from pgharness import PgServer
 
 KEYS = ["plain", "clé 'é'\\", "漢字-€", "o'brien"]
@@ -82,14 +87,17 @@ def _stored(dsn: str, scope: str) -> list[tuple[bytes, int | None]]:
             " WHERE scope = %s ORDER BY 1", (scope,)).fetchall()
 
 
-def test_operation_under_a_sql_ascii_client_encoding(db: str) -> None:
-    with psycopg.connect(db, autocommit=True, client_encoding="SQL_ASCII") as conn:
-        assert conn.info.encoding == "ascii"
-        # what psycopg itself does there: text parameters go as UTF-8, text comes back as bytes
-        assert conn.execute("SELECT %s::text", ("é",)).fetchone() == ("é".encode(),)
-        _operations(conn, "sc'é", KEYS)
-    with psycopg.connect(db, autocommit=True, client_encoding="UTF8") as conn:
-        _operations(conn, "utf8", KEYS)
+def test_operation_under_a_sql_ascii_client_encoding(server: PgServer, db: str) -> None:
+    """As the application's login role (kind request, docs/install.md)."""
+    with login_roles(server, db, "request") as (role,):
+        with psycopg.connect(db, autocommit=True, client_encoding="SQL_ASCII",
+                             user=role) as conn:
+            assert conn.info.encoding == "ascii"
+            # what psycopg does there: text parameters go as UTF-8, text comes back as bytes
+            assert conn.execute("SELECT %s::text", ("é",)).fetchone() == ("é".encode(),)
+            _operations(conn, "sc'é", KEYS)
+        with psycopg.connect(db, autocommit=True, client_encoding="UTF8", user=role) as conn:
+            _operations(conn, "utf8", KEYS)
     # the same rows, byte for byte, as a UTF8 session writes
     assert [k for k, _ in _stored(db, "sc'é")] == [k for k, _ in _stored(db, "utf8")]
     assert sorted(k for k, _ in _stored(db, "utf8")) == sorted(
@@ -179,3 +187,38 @@ def test_the_cli_on_a_sql_ascii_database(sql_ascii_db: str) -> None:
     assert scope["oldest_in_progress_key"] == "open-ñ"
     proc = run("migrate", "--dsn", sql_ascii_db)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_sqlalchemy_session_as_the_request_role_on_a_sql_ascii_database(
+        server: PgServer, sql_ascii_db: str) -> None:
+    """The ORM a user brings, on a login role granted as docs/install.md says, on a SQL_ASCII
+    database. SQLAlchemy's psycopg dialect does not connect under a SQL_ASCII client encoding
+    (it reads the server's version text as bytes), so its sessions set UTF8, as docs/python.md
+    says: a key that is not ASCII claimed, checkpointed, completed with the business row,
+    replayed."""
+    db = sql_ascii_db
+    with login_roles(server, db, "request") as (role,), \
+            psycopg.connect(db, autocommit=True) as admin:
+        admin.execute("CREATE TABLE sa_ascii (id serial PRIMARY KEY, note text NOT NULL)")
+        admin.execute(sql.SQL("GRANT SELECT, INSERT ON sa_ascii TO {}").format(
+            sql.Identifier(role)))
+        admin.execute(sql.SQL("GRANT USAGE ON SEQUENCE sa_ascii_id_seq TO {}").format(
+            sql.Identifier(role)))
+        engine = sqlalchemy.create_engine(
+            "postgresql+psycopg://" + db.split("://", 1)[1],
+            connect_args={"user": role, "options": "-c client_encoding=UTF8"})
+        try:
+            with Session(engine) as session:
+                with sa_operation(session, "sa-é", "k-ñ-ü", {"amount": 7, "note": "漢"}) as op:
+                    assert op.outcome is idem.Outcome.CLAIMED
+                    session.execute(sqlalchemy.text("INSERT INTO sa_ascii (note) VALUES (:n)"),
+                                    {"n": "paid é"})
+                    assert op.checkpoint("charged-é") is not None
+                    first = op.complete(201, ANSWER)
+                with sa_operation(session, "sa-é", "k-ñ-ü", {"amount": 7, "note": "漢"}) as op:
+                    assert op.replay is not None and op.replay.json() == ANSWER
+                    assert op.replay.completed_at == first.completed_at
+        finally:
+            engine.dispose()
+        assert admin.execute("SELECT note FROM sa_ascii").fetchall() == [("paid é".encode(),)]
+    assert _stored(db, "sa-é") == [("k-ñ-ü".encode(), 201)]
