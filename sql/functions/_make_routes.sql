@@ -298,8 +298,9 @@ BEGIN
                 -- settings.partition_interval from _partition_origin(), as _partition_start
                 -- bins for maintain()), which the plan prunes to that one partition. date_bin
                 -- and the origin's value, not a call of _partition_start: with constant
-                -- arguments (custom plans) the planner would run that SQL function, ~10 µs. Without the partition's bound the
-                -- hour reached into the previous partition for the first hour of each one
+                -- arguments (custom plans) the planner would run that SQL function, ~10 µs.
+                -- Without the partition's bound the hour reached into the previous partition
+                -- for the first hour of each one
                 -- (the previous day's, or the default partition) and every guess scanned two:
                 -- workers' CPU per claim + complete 500 -> 610 µs after midnight
                 -- (docs/benchmarks.md). A key claimed in the previous partition and completed
