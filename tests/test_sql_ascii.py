@@ -36,7 +36,7 @@ from sqlalchemy.orm import Session
 from test_cli import run
 
 import pg_idempotency as idem
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute, login_roles
+from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute, login_roles
 from pg_idempotency import aio, core
 from pg_idempotency.sqlalchemy import operation as sa_operation
 from pgharness import PgServer
@@ -126,10 +126,8 @@ async def test_aio_operation_under_a_sql_ascii_client_encoding(db: str) -> None:
 
 
 @pytest.fixture
-def sql_ascii_db(server: PgServer) -> Iterator[str]:
-    name = f"ascii_{id(server) % 100000}"
-    admin_execute(server, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-        sql.Identifier(name)))
+def sql_ascii_db(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
+    name = server_pool.new_db_name("ascii")
     admin_execute(server, sql.SQL(
         "CREATE DATABASE {} TEMPLATE template0 ENCODING 'SQL_ASCII' LC_COLLATE 'C' LC_CTYPE 'C'"
     ).format(sql.Identifier(name)))
