@@ -36,6 +36,10 @@ prints numbers; its exit status is 1 only if a ledger is wrong.
     .venv/bin/python bench/operation.py [--rounds 5] [--seconds 5] [--warmup 1] [--threads 4]
                                         [--json PATH] [--baseline DIR]
 
+--extra-sql FILE runs FILE after the migrations, as the owner: an experiment on the engine (a
+function replaced, say; bench/floor_operation.sql puts the PL/pgSQL floor in place of claim and
+complete_bytes), measured through the same package calls.
+
 --baseline DIR adds a fourth variant, ``base``: the same ``operation()`` pattern with the
 package in DIR/pg_idempotency (e.g. ``git archive`` of an earlier commit's python/), in the
 same rounds, and prints ours / base per round: a change to the package measured against its
@@ -234,6 +238,9 @@ def main() -> int:
     parser.add_argument("--json", metavar="PATH", help="write the results here")
     parser.add_argument("--baseline", metavar="DIR",
                         help="also run the pattern with the package in DIR/pg_idempotency")
+    parser.add_argument("--extra-sql", metavar="FILE",
+                        help="run this SQL file after the migrations, as the owner (an "
+                        "experiment: a function replaced, say)")
     args = parser.parse_args()
     problem = unwritable(Path(args.json)) if args.json else None
     if problem:
@@ -250,10 +257,15 @@ def main() -> int:
         for migration in sorted((ROOT / "migrations").glob("*.sql")):
             server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
         server.run_psql(dsn, SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        if args.extra_sql:
+            server.run_psql(dsn, Path(args.extra_sql),
+                            args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
         version = " ".join(server.version.split()[:2])
         print(f"{version}, default durability; {args.threads} threads, fresh keys; "
               f"{args.rounds} round(s) x {args.seconds:g}s after {args.warmup:g}s warm-up; "
-              f"package {idem.__file__}", flush=True)
+              f"package {idem.__file__}"
+              + (f"; after the migrations {args.extra_sql}" if args.extra_sql else ""),
+              flush=True)
         rounds = []
         bad = 0
         with psycopg.connect(dsn, autocommit=True) as admin:
