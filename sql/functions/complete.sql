@@ -29,14 +29,15 @@ BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
     -- once per transaction, about 1,500 instructions per function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
-    -- operand would make the whole test NULL. headers NULL takes the branch, which makes it
-    -- '{}'. The sizes come first there (before the headers' jsonpath test reads them): above
-    -- the smallest limits allowed (64 KiB, 4 KiB) the settings decide (_check_size), before
-    -- anything is stored.
-    IF NOT coalesce(complete.reference_time IS NULL
-                    AND idempotency._name_ok(complete.scope)
-                    AND idempotency._name_ok(complete.key)
-                    AND complete.lease_token IS NOT NULL AND complete.status BETWEEN 100 AND 599
+    -- operand would make the whole test NULL. The form of the scope and the key (a regex
+    -- each, about 8,000 instructions per call) and the token's NULL are left to the miss
+    -- below; the scope's NULL stays here, so that no statement of the route runs without the
+    -- scope that places it (on Citus, its shard). headers NULL takes the branch, which makes
+    -- it '{}'. The sizes come first there (before the headers' jsonpath test reads them):
+    -- above the smallest limits allowed (64 KiB, 4 KiB) the settings decide (_check_size),
+    -- before anything is stored.
+    IF NOT coalesce(complete.reference_time IS NULL AND complete.scope IS NOT NULL
+                    AND complete.status BETWEEN 100 AND 599
                     AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536)
                     AND pg_column_size(complete.headers) <= 4096
                     AND idempotency._headers_ok(complete.headers), false) THEN
@@ -63,6 +64,13 @@ BEGIN
         CASE WHEN complete.body IS NULL THEN NULL ELSE 'application/json' END,
         coalesce(v_now, clock_timestamp()));
     IF v_completed IS NULL THEN
+        -- No key in progress matched this token. The test above left out the form of the
+        -- scope and the key and the token's NULL: claim never stores a bad name, and no row
+        -- has a NULL token, so a bad one can only miss, and is reported now, with the error the
+        -- branch above raises for it (its other arguments passed there), before the lease's.
+        PERFORM idempotency._check_response('idempotency.complete', complete.scope,
+                                            complete.key, complete.lease_token,
+                                            complete.status, complete.headers);
         PERFORM idempotency._lease_error('idempotency.complete', complete.scope, complete.key,
                                          complete.lease_token);
     END IF;

@@ -23,12 +23,11 @@ BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
     -- once per transaction, about 1,500 instructions per function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
-    -- operand would make the whole test NULL. headers NULL takes the branch, which makes it
-    -- '{}'.
+    -- operand would make the whole test NULL. The form of the scope and the key and the
+    -- token's NULL are left to the miss below, as in complete(). headers NULL takes the
+    -- branch, which makes it '{}'.
     IF NOT coalesce(complete_bytes.reference_time IS NULL
-                    AND idempotency._name_ok(complete_bytes.scope)
-                    AND idempotency._name_ok(complete_bytes.key)
-                    AND complete_bytes.lease_token IS NOT NULL
+                    AND complete_bytes.scope IS NOT NULL
                     AND complete_bytes.status BETWEEN 100 AND 599
                     AND (complete_bytes.body IS NULL AND complete_bytes.content_type IS NULL
                          OR idempotency._name_ok(complete_bytes.content_type))
@@ -67,6 +66,11 @@ BEGIN
         complete_bytes.status, complete_bytes.headers, NULL, complete_bytes.body,
         complete_bytes.content_type, coalesce(v_now, clock_timestamp()));
     IF v_completed IS NULL THEN
+        -- No key in progress matched: the scope, key and token are checked now, as in
+        -- complete() (see there), and only then the lease.
+        PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,
+                                            complete_bytes.key, complete_bytes.lease_token,
+                                            complete_bytes.status, complete_bytes.headers);
         PERFORM idempotency._lease_error('idempotency.complete_bytes', complete_bytes.scope,
                                          complete_bytes.key, complete_bytes.lease_token);
     END IF;

@@ -6,7 +6,7 @@
 -- transaction. 21_isolation_repeatable_read.sql and 22_isolation_serializable.sql test it.
 BEGIN;
 
-SELECT plan(136);
+SELECT plan(144);
 
 -- A live key to aim the fenced functions at, so that they fail on the argument, not on IK003.
 CREATE TEMP TABLE live ON COMMIT DROP AS
@@ -315,6 +315,34 @@ SELECT throws_ok(
     'IK010', 'idempotency.complete: argument "lease_token" must not be NULL',
     'complete: lease_token NULL is IK010'
 );
+-- The form of the scope and the key is tested when no key matched (complete's common path
+-- leaves it out): the same errors, and the documented order with another bad argument.
+SELECT throws_ok(
+    $$SELECT idempotency.complete('', 'live', (SELECT lease_token FROM live), 200, '{}')$$,
+    'IK011', 'idempotency.complete: argument "scope" must not be empty',
+    'complete: scope empty is IK011'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete('e', repeat('k', 256), (SELECT lease_token FROM live), 200,
+                                  '{}')$$,
+    'IK012', 'idempotency.complete: argument "key" must be at most 255 characters long',
+    'complete: key of 256 characters is IK012'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete('e', E'live\n', (SELECT lease_token FROM live), 200, '{}')$$,
+    'IK013', 'idempotency.complete: argument "key" must not contain control characters',
+    'complete: key with a newline is IK013'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete(E'e\t', 'live', (SELECT lease_token FROM live), 600, '{}')$$,
+    'IK013', 'idempotency.complete: argument "scope" must not contain control characters',
+    'complete: a bad scope comes before a bad status'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete('e', 'live', (SELECT lease_token FROM live) + 1, 200, '{}')$$,
+    'IK001', NULL,
+    'complete: valid arguments with another token are IK001'
+);
 SELECT throws_ok(
     $$SELECT idempotency.complete('e', 'live', (SELECT lease_token FROM live), 99, '{}')$$,
     'IK014', 'idempotency.complete: argument "status" must be an HTTP status code (100 to 599)',
@@ -428,6 +456,24 @@ SELECT throws_ok(
                                         '\x01'::bytea, 'a/b')$$,
     'IK014', NULL,
     'complete_bytes: status 600 is IK014'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete_bytes('e', '', (SELECT lease_token FROM live), 200,
+                                        '\x01'::bytea, 'a/b')$$,
+    'IK011', 'idempotency.complete_bytes: argument "key" must not be empty',
+    'complete_bytes: key empty is IK011'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete_bytes(E'e\t', 'live', (SELECT lease_token FROM live), 200,
+                                        '\x01'::bytea, 'a/b')$$,
+    'IK013', 'idempotency.complete_bytes: argument "scope" must not contain control characters',
+    'complete_bytes: scope with a tab is IK013'
+);
+SELECT throws_ok(
+    $$SELECT idempotency.complete_bytes(E'e\t', 'live', (SELECT lease_token FROM live), 200,
+                                        '\x01'::bytea, '')$$,
+    'IK011', 'idempotency.complete_bytes: argument "content_type" must not be empty',
+    'complete_bytes: a bad content type comes before a bad scope'
 );
 SELECT throws_ok(
     $$SELECT idempotency.complete_bytes('e', 'live', NULL, 200, '\x01'::bytea, 'a/b')$$,
