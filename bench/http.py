@@ -72,7 +72,7 @@ BENCH = SELF.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
 ROOT = BENCH.parent
 sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "harness"))
 
 import argparse  # noqa: E402
 import asyncio  # noqa: E402

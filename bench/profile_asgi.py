@@ -7,7 +7,7 @@ calls them as ASGI applications directly (``await app(scope, receive, send)`` wi
 scopes, as uvicorn would after parsing a request), and reports the process's CPU time
 (``time.process_time``) per request, so a change to the middleware's Python path shows up
 without the noise of a load generator, sockets and HTTP parsing. One throwaway PostgreSQL 15
-(tests/pgharness.py, default durability as in bench/http.py; ``--fast`` turns fsync,
+(harness/pgharness.py, default durability as in bench/http.py; ``--fast`` turns fsync,
 synchronous_commit and full_page_writes off) with ``migrations/*.sql`` installed serves every
 measurement.
 
@@ -364,7 +364,7 @@ def main() -> int:
     if args.components:
         return print_components([t.resolve() for t in (args.tree or [ROOT])], args.rounds)
 
-    sys.path.insert(0, str(ROOT / "tests"))
+    sys.path.insert(0, str(ROOT / "harness"))
     import psycopg
 
     import pgharness

@@ -37,7 +37,7 @@ from typing import Any
 import psycopg
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "harness"))
 
 import pgharness  # noqa: E402
 

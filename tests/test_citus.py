@@ -1,4 +1,4 @@
-"""The engine on a real Citus cluster (a coordinator and two workers, tests/citus_cluster.py),
+"""The engine on a real Citus cluster (a coordinator and two workers, harness/citus_cluster.py),
 installed as docs/scale-out.md says: the migrations on the coordinator, then
 ``SELECT idempotency.distribute()``.
 

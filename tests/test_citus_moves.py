@@ -1,5 +1,5 @@
 """Shard moves and a shard split under load (issue 32's requirement, issue 33's "what each move
-mode looks like to clients"), on a real Citus cluster (tests/citus_cluster.py), both versions.
+mode looks like to clients"), on a real Citus cluster (harness/citus_cluster.py), both versions.
 
 Six client threads pay through the coordinator with the package's README pattern, as the
 request role, RATE new payments a second in all: ``with idem.operation(conn, scope, key,

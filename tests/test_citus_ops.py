@@ -1,4 +1,4 @@
-"""Issue 23's operator functions on a real Citus cluster (tests/citus_cluster.py: a coordinator
+"""Issue 23's operator functions on a real Citus cluster (harness/citus_cluster.py: a coordinator
 and two workers), installed as docs/scale-out.md says: the migrations on the coordinator, then
 ``SELECT idempotency.distribute()``.
 

@@ -512,7 +512,7 @@ def test_worker_process_killed_after_commit(app_db: str) -> None:
     assert counts() == (1, 2, 1)
 
 
-# -- on a Citus cluster (tests/citus_cluster.py): Django's migrations on the coordinator, then
+# -- on a Citus cluster (harness/citus_cluster.py): Django's migrations on the coordinator, then
 # idempotency.distribute(); the example's own tables stay plain tables on the coordinator, so
 # the view's write and the completion on a worker commit together by two-phase commit.
 

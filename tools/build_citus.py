@@ -36,7 +36,7 @@ Build choices:
   Unpatched Citus is a documented limit for both (docs/scale-out.md, upstream report text).
 
 A missing source tarball is reported loudly and the flavour is left without Citus: the
-Citus tests then fail (tests/citus_cluster.py says why); they are never skipped.
+Citus tests then fail (harness/citus_cluster.py says why); they are never skipped.
 """
 
 from __future__ import annotations

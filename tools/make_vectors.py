@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Generate tests/vectors/fingerprint.json from the database: the SQL functions are the reference.
 
-    tools/make_vectors.py                 start a throwaway PostgreSQL 15 (tests/pgharness.py;
+    tools/make_vectors.py                 start a throwaway PostgreSQL 15 (harness/pgharness.py;
                                           not as root: runuser -u pgidem -- ...), install
                                           migrations/ with psql, generate, stop it
     tools/make_vectors.py --dsn DSN       use a database where the idempotency schema is
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         with psycopg.connect(args.dsn, autocommit=True) as conn:
             text = render(generate(conn))
     else:
-        sys.path.insert(0, str(ROOT / "tests"))
+        sys.path.insert(0, str(ROOT / "harness"))
         from pgharness import PgServer, flavour_bindir
 
         with PgServer(flavour_bindir("pg15"), name="vectors") as srv:
