@@ -27,8 +27,8 @@ $guard$;
 -- is explained in sql/upgrades/0002_maintenance.sql. Self-contained: only the objects added or
 -- changed here.
 --
--- 0011: the hot path of complete, and custom plans on Citus (0.11.0; issue "Engine v3",
--- docs/benchmarks.md).
+-- 0011 (0.11.0): the hot path of claim and complete, size limits, completers limited to
+-- scopes, lease outcomes as values, and custom plans on Citus.
 -- - complete() and complete_bytes() check their arguments themselves and call the generated
 --   route _complete_row directly: two PL/pgSQL levels instead of three. _finish goes.
 -- - _complete_row, given created_at NULL, first tries the partition that holds the
@@ -37,12 +37,16 @@ $guard$;
 --   IK004 through _lease_error).
 -- - _make_routes builds its branches with the new _route_branches(), today's partition first
 --   (the ones made ahead last); without partitions (Citus) _complete_row's guess is the UPDATE
---   on the parent for a key created in the hour up to the completion.
+--   on the parent for a key created in the same partition in the hour up to the completion.
 -- - On a Citus cluster, the per-key functions plan each statement afresh (force_custom_plan):
---   with generic plans, Citus's local plan cache grew every session by ~230 kB per
+--   with generic plans, Citus's local plan cache grew in every session with every
 --   claim + complete (_citus_custom_plans, called by distribute() and from here on by every
 --   migration's end, since a migration puts the sources' generic plans back).
--- No table changes; no data moves.
+-- Table changes, no data moved: settings gains max_request_bytes, max_response_bytes and
+-- max_headers_bytes (with defaults and CHECK constraints); grants gains scopes (NULL for the
+-- roles granted before: every scope); a new table completer_grants mirrors them; a new type
+-- lease_outcome. grant_usage(regrole, text) and _finish are dropped (grant_usage has a new
+-- signature with scopes; the old call shape still works through its defaults).
 
 -- The partitions' origin (2000-01-01 00:00 UTC) written once, in _partition_origin, which
 -- _partition_start (for _premake, _make_partitions, _keep_from) and complete()'s guess on
@@ -72,8 +76,8 @@ COMMENT ON FUNCTION idempotency._partition_origin() IS
 --
 -- Without SET search_path, so that the planner inlines it where its arguments are columns (see
 -- _name_ok). Where they are constants the planner runs it instead, through the SQL function
--- executor, at about 10 µs a call (measured: a statement with complete()'s guess bound written
--- through it planned in 188 µs, with date_bin in 178): the guess that _make_routes generates,
+-- executor, which costs more than the whole date_bin expression (measured on complete()'s
+-- guess, docs/design.md, "Performance decisions"): the guess that _make_routes generates,
 -- planned afresh on every call on Citus, writes date_bin and the origin's value, not this call.
 CREATE FUNCTION idempotency._partition_start(partition_interval interval, moment timestamptz)
 RETURNS timestamptz
@@ -331,7 +335,7 @@ partition of keys, chosen by the argument arg.';
 -- The shard branches of a generated local half (see _make_routes, Citus only): stmts[i] when
 -- v_shard = shards[i], chosen by a balanced tree of IF v_shard < ... tests, so that a call runs
 -- about log2(shards) tests, not one per shard (PL/pgSQL builds each test's executor state once
--- per transaction, about 2,000 CPU instructions). A v_shard that is in no leaf (a shard a split
+-- per transaction, a cost paid per test). A v_shard that is in no leaf (a shard a split
 -- made after the routes were generated) runs nothing. '' for no shard.
 CREATE FUNCTION idempotency._shard_branches(
     shards bigint[],
@@ -427,10 +431,9 @@ local shards, outcome claimed; a NULL outcome when the key exists or the shard i
 --   _drop_released_row                       claim()'s removal of a released key's row
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
--- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
--- and statement; with 100 partitions claim + complete ran at 0.71-0.76x the rate at 5
--- (docs/benchmarks.md). Dynamic SQL on the partition avoids the locks but plans on every call
--- (0.63x at any count). A static statement per partition, chosen by an IF on created_at, has a
+-- startup, locks every partition the plan names (PostgreSQL 15 to 18), so its cost grows with
+-- the number of partitions. Dynamic SQL on the partition avoids the locks but plans on every
+-- call. A static statement per partition, chosen by an IF on created_at, has a
 -- cached plan on a plain table and locks one table: flat in the number of partitions.
 --
 -- The generated functions are a cache of the catalog, never the truth, so staleness is harmless:
@@ -450,7 +453,8 @@ local shards, outcome claimed; a NULL outcome when the key exists or the shard i
 -- partition), without reading
 -- key_directory. Only _complete_row has one: complete() comes within a lease of the claim, so
 -- the key's row is nearly always in the partition of the completion's own time, and the
--- directory read it saves was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3").
+-- directory read it saves is a sizeable part of complete's work (docs/design.md, "Routing to
+-- one partition").
 -- A wrong guess (a complete after a takeover days later, or across midnight) matches no row,
 -- and the route reads created_at from key_directory and goes on as any route: correct either
 -- way, since (scope, key) has one row in all the partitions (key_directory's primary key) and
@@ -645,10 +649,10 @@ $src$;
 BEGIN
     -- The partitions, read once for every route. Newest first: most calls concern keys claimed
     -- moments ago, and complete's guess goes by its own time. The partitions made ahead come
-    -- last, since no key is created in the future (a test clock aside): with three made ahead,
-    -- today's partition was the fourth test of every call (0.4-0.5 µs of complete's 20-22 inside
-    -- the server, docs/benchmarks.md). A route made before midnight tests yesterday's partition
-    -- first after it, until maintain() makes them again.
+    -- last, since no key is created in the future (a test clock aside): otherwise today's
+    -- partition would come after every partition made ahead, in every call. A route made
+    -- before midnight tests yesterday's partition first after it, until maintain() makes
+    -- them again.
     -- None on Citus (idempotency.distribute): there each statement goes to the scope's shard of
     -- the parent, and the worker prunes its partitions; a branch per partition would only add
     -- a lock statement and tests to every call.
@@ -716,12 +720,11 @@ BEGIN
                 -- settings.partition_interval from _partition_origin(), as _partition_start
                 -- bins for maintain()), which the plan prunes to that one partition. date_bin
                 -- and the origin's value, not a call of _partition_start: with constant
-                -- arguments (custom plans) the planner would run that SQL function, ~10 µs.
+                -- arguments (custom plans) the planner would run that SQL function.
                 -- Without the partition's bound the hour reached into the previous partition
                 -- for the first hour of each one
-                -- (the previous day's, or the default partition) and every guess scanned two:
-                -- workers' CPU per claim + complete 500 -> 610 µs after midnight
-                -- (docs/benchmarks.md). A key claimed in the previous partition and completed
+                -- (the previous day's, or the default partition) and every guess scanned two.
+                -- A key claimed in the previous partition and completed
                 -- in this one misses the guess and is read through the directory below. On
                 -- Citus a directory read is a statement through Citus's executor like any
                 -- other, which the guess saves. The width as seconds: date_bin counts a day
@@ -823,10 +826,9 @@ BEGIN
             -- DETACH of a partition locks the parent exclusively, so no test can pass for a
             -- partition that is gone before its statement runs. LOCK TABLE ONLY takes the
             -- same lock as a query on the parent alone (ACCESS SHARE, to the end of the
-            -- transaction) without planning and starting an executor: about 5,000 CPU
-            -- instructions less per call than the PERFORM ... WHERE false before 0.11.0
-            -- (docs/benchmarks.md, "late night"). (The routes are VOLATILE, so a LOCK runs in
-            -- them even under a STABLE caller.)
+            -- transaction) without planning and starting an executor, which the
+            -- PERFORM ... WHERE false before 0.11.0 did. (The routes are VOLATILE, so a LOCK
+            -- runs in them even under a STABLE caller.)
             v_lookup := E'\n    LOCK TABLE ONLY idempotency.keys IN ACCESS SHARE MODE;'
                         || v_lookup;
         END IF;
@@ -973,10 +975,10 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
-    -- once per transaction, about 1,500 instructions per function it calls: see claim); the
+    -- once per transaction, and pays for every function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
     -- operand would make the whole test NULL. The form of the scope and the key (a regex
-    -- each, about 8,000 instructions per call) and the token's NULL are left to the miss
+    -- each, the costliest checks) and the token's NULL are left to the miss
     -- below; the scope's NULL stays here, so that no statement of the route runs without the
     -- scope that places it (on Citus, its shard). headers NULL takes the branch, which makes
     -- it '{}'. The sizes come first there (before the headers' jsonpath test reads them):
@@ -1053,7 +1055,7 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
-    -- once per transaction, about 1,500 instructions per function it calls: see claim); the
+    -- once per transaction, and pays for every function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
     -- operand would make the whole test NULL. The form of the scope and the key and the
     -- token's NULL are left to the miss below, as in complete(). headers NULL takes the
@@ -1124,10 +1126,10 @@ transaction as the business write; returns completed_at. Raises IK001 or IK004.'
 -- time, and when that shard is on the node running the statement (a delegated body always is),
 -- Citus 13.2.2 and 14.0.1 plan the statement on the shard again on every execution and keep
 -- each of those plans with the generic one, never finding them again (citusdata/citus, pull
--- request 8824). A session grew by about 230 kB per claim + complete until the node ran out of
+-- request 8824). A session grew with every claim + complete until the node ran out of
 -- memory, and paid for the planning anyway. A custom plan names its shard when it is made, is
--- executed once and freed: memory stays flat, and the worker spent about 11% less CPU per
--- claim + complete (docs/benchmarks.md). On one server the generic plans stay (see
+-- executed once and freed: memory stays flat, and the worker spent less CPU per claim +
+-- complete (docs/design.md, "Performance decisions"). On one server the generic plans stay (see
 -- docs/design.md): this does nothing there.
 --
 -- Which functions: the ones Citus delegates (they run the per-key statements, and call the
@@ -1365,7 +1367,7 @@ DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );
 
--- Size limits (issue 34 "Bounds"): settings.max_request_bytes, max_response_bytes and
+-- Size limits: settings.max_request_bytes, max_response_bytes and
 -- max_headers_bytes, refused with IK018 before anything is canonicalized or stored.
 -- One statement per column and per constraint, each constraint named: Citus refuses an ADD
 -- COLUMN that carries a constraint on a distributed install (settings is a reference table).
@@ -1479,8 +1481,8 @@ BEGIN
     -- The common call (a fresh key, valid arguments, our own fingerprint, READ COMMITTED, no
     -- test clock) passes one inlined test: PL/pgSQL builds each expression's executor state
     -- once per transaction, and every claim is a transaction of its own, so each IF and
-    -- assignment costs about 2,000 CPU instructions per call however cheap its test, and
-    -- 1,500 more per function it calls (docs/benchmarks.md, "late night"). Anything else
+    -- assignment has a cost per call however cheap its test, and more for every function
+    -- it calls (docs/design.md, "Performance decisions"). Anything else
     -- takes the branch below, which checks in the documented order and says what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL.
     IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
@@ -1532,10 +1534,10 @@ BEGIN
     -- Citus: a new key's two rows by static statements on the scope's shards, when this node
     -- holds them (see _make_routes); otherwise (a NULL outcome: the key exists, or its shards
     -- are elsewhere) the statements below, through Citus. _local_shards() folds to a constant:
-    -- false on one server, where this IF costs about 900 instructions per call; true on a
-    -- cluster. Outside the branch above, so that a common call on a cluster skips the checks:
-    -- there each is planned afresh on every call (_citus_custom_plans), about 6% of a worker's
-    -- CPU per claim + complete when every claim took them (docs/benchmarks.md).
+    -- false on one server, where this IF is one cheap test per call; true on a cluster.
+    -- Outside the branch above, so that a common call on a cluster skips the checks: there
+    -- each is planned afresh on every call (_citus_custom_plans), a noticeable part of a
+    -- worker's CPU when every claim took them.
     IF idempotency._local_shards() THEN
         v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
                                                  claim.lease, v_now);
@@ -2039,7 +2041,7 @@ BEGIN
         -- and sizes of the shards it holds, found through its copy of pg_dist_shard (the shard
         -- of a partition is a table of its own), in one query per node, all nodes at once
         -- (run_command_on_all_nodes); still no row is read. A query per shard
-        -- (run_command_on_shards) took 0.9-1.1 s at 32 shards and 5 partitions, this 50-70 ms.
+        -- (run_command_on_shards) was an order of magnitude slower, and grew with the shards.
         -- Dynamic SQL: these functions and catalogs exist only where Citus is installed.
         EXECUTE $q$
             SELECT coalesce(sum(split_part(r.result, ',', 1)::bigint) FILTER (
@@ -2890,7 +2892,7 @@ COMMENT ON FUNCTION idempotency.unschedule_maintenance() IS
 IK020 when pg_cron is not installed, IK022 on a Citus worker.';
 
 
--- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
+-- Completers limited to scopes: grant_usage(..., scopes => ...), recorded in
 -- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
 -- which takeover() and list_abandoned() check (_completer_scopes, IK023). The roles granted
 -- before keep every scope: their rows get scopes NULL, and the _reapply_grants() at the end of
@@ -3407,7 +3409,7 @@ COMMENT ON FUNCTION idempotency.list_keys(text, text, interval, boolean, integer
 (in_progress, completed, released), older_than (age, 0 to 1000 years), expired_leases; at most
 max_keys (1-10000). Reads every partition. Schema owner only. See docs/operations.md.';
 
--- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
+-- No timing oracle on wrong tokens: a key missing from key_directory is looked for
 -- in the partition of now, so every key state costs the same statements.
 -- sql/functions/_lease_outcome.sql
 -- Why a fenced write matched no row: 'completed' when the caller's token is the one that
@@ -3696,14 +3698,14 @@ COMMENT ON FUNCTION idempotency.release(text, text, bigint) IS
 'Forget a key you hold, after a failure with no side effect, so the next retry runs afresh.
 Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
 
--- Outcomes instead of errors (issue 33): on Citus every error raised on a worker costs the
+-- Outcomes instead of errors: on Citus every error raised on a worker costs the
 -- session a new worker connection. heartbeat_outcome, checkpoint_outcome and release_outcome
 -- answer lease_lost / completed as a value (type lease_outcome) where heartbeat, checkpoint and
 -- release raise IK001 / IK004, which they still do. New objects: a distributed install runs
 -- idempotency.distribute() again after this migration to delegate them (docs/scale-out.md).
 -- sql/types/lease_outcome.sql
 -- What heartbeat_outcome(), checkpoint_outcome() and release_outcome() return: the answer of a
--- fenced call as a value instead of an error (issue 33). Columns are public API.
+-- fenced call as a value instead of an error. Columns are public API.
 CREATE TYPE idempotency.lease_outcome AS (
     -- ok | lease_lost (IK001 from the raising form: not the key's current token, the same for
     -- every key state) | completed (IK004: the key was completed with this very token)
@@ -3717,11 +3719,11 @@ COMMENT ON TYPE idempotency.lease_outcome IS
 ok, lease_lost or completed, and the lease expiry after ok.';
 
 -- sql/functions/heartbeat_outcome.sql
--- heartbeat() with the lost lease as an answer, not an error (issue 33): the same checks, the
+-- heartbeat() with the lost lease as an answer, not an error: the same checks, the
 -- same statements, the same answers, but 'lease_lost' / 'completed' come back as the outcome
 -- instead of IK001 / IK004. Through a Citus coordinator every error raised on a worker makes
 -- Citus drop the session's connection to that worker, so the next call opens a new one (a
--- new worker backend: 6-13 ms against well under 1 ms, tests/test_citus_error_cost.py); an
+-- new worker backend, far dearer than the answer: tests/test_citus_error_cost.py); an
 -- old owner that heartbeats after a takeover is a common answer, not an exception. heartbeat
 -- writes nothing of the caller's, so nothing needs the error's rollback. Bad arguments still
 -- raise (a caller's bug). Keep the body in step with heartbeat.sql: the timing-oracle
@@ -3797,7 +3799,7 @@ lease_lost (where heartbeat raises IK001) or completed (IK004). Raises only for 
 On Citus an error costs the session a new worker connection; an outcome does not.';
 
 -- sql/functions/checkpoint_outcome.sql
--- checkpoint() with the lost lease as an answer, not an error (issue 33; see
+-- checkpoint() with the lost lease as an answer, not an error (see
 -- heartbeat_outcome for why on Citus). Unlike checkpoint(), a lost lease does not abort the
 -- caller's transaction: the caller must roll back the step's writes itself on any outcome but
 -- 'ok' (the Python package's Operation does, then raises LeaseLost). For a caller that cannot
@@ -3885,7 +3887,7 @@ the caller must roll back its own writes of this transaction itself. Raises only
 arguments. On Citus an error costs the session a new worker connection; an outcome does not.';
 
 -- sql/functions/release_outcome.sql
--- release() with the lost lease as an answer, not an error (issue 33; see heartbeat_outcome
+-- release() with the lost lease as an answer, not an error (see heartbeat_outcome
 -- for why on Citus): 'ok', or 'lease_lost' / 'completed' where release raises IK001 / IK004.
 -- release writes nothing else of the caller's, so nothing needs the error's rollback. Bad
 -- arguments still raise. Keep the body in step with release.sql.
@@ -3944,9 +3946,9 @@ IK001) or completed (IK004). Raises only for bad arguments. On Citus an error co
 a new worker connection; an outcome does not.';
 
 
--- Fewer calls in the expressions the hot path compiles in every transaction (issue 32,
--- docs/benchmarks.md): _name_ok tests "not empty, no control character" with one anchored
--- regex; _new_token hashes its UUID (uuid_hash) instead of casting it through text and bit.
+-- Fewer calls in the expressions the hot path compiles in every transaction: _name_ok tests
+-- "not empty, no control character" with one anchored regex; _new_token hashes its UUID
+-- (uuid_hash) instead of casting it through text and bit.
 -- Same answers, same token layout. The functions that inline them are replaced above or
 -- re-planned by PostgreSQL when these change.
 -- sql/functions/_name_ok.sql
@@ -3960,12 +3962,11 @@ a new worker connection; an outcome does not.';
 --
 -- Two function calls, not four: the expression is compiled again in every transaction that
 -- calls the function (PL/pgSQL keeps a simple expression's state per transaction), and each
--- call in it costs its compilation (a permission check) and its evaluation, about 1,700
--- instructions apiece. The anchored regex says "not empty, no control character" in one call
--- (it cannot say "at most 255": a bounded repetition cost the backend 150,000 instructions a
--- call). NULL gives NULL, not false: every caller wraps its test in coalesce(..., false).
--- Measured with bench/instructions.py (docs/benchmarks.md): 9,100 instructions less per
--- payment (claim + complete_bytes), 1.4%.
+-- call in it costs its compilation (a permission check) and its evaluation. The anchored
+-- regex says "not empty, no control character" in one call (it cannot say "at most 255": a
+-- bounded repetition compiles to a far costlier automaton). NULL gives NULL, not false: every
+-- caller wraps its test in coalesce(..., false). Measured with bench/instructions.py
+-- (docs/design.md, "Performance decisions").
 CREATE OR REPLACE FUNCTION idempotency._name_ok(value text)
 RETURNS boolean
 LANGUAGE sql
@@ -3998,8 +3999,8 @@ does not (inlined into callers, which coalesce it to false).';
 -- r is uuid_hash() of a fresh version-4 UUID: 32 bits that depend on all of its 122 random
 -- bits, so as hard to guess as the UUID. Until 0.11.0 r was the UUID's first 8 hex digits,
 -- through a text and a bit(32) cast: two I/O conversions and four more calls, which the
--- INSERT that calls this compiles and runs again on every claim (7,300 instructions per
--- payment more, bench/instructions.py, docs/benchmarks.md).
+-- INSERT that calls this compiles and runs again on every claim (docs/design.md,
+-- "Performance decisions").
 -- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
 -- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
 CREATE OR REPLACE FUNCTION idempotency._new_token(previous bigint)

@@ -5,10 +5,10 @@
 -- time, and when that shard is on the node running the statement (a delegated body always is),
 -- Citus 13.2.2 and 14.0.1 plan the statement on the shard again on every execution and keep
 -- each of those plans with the generic one, never finding them again (citusdata/citus, pull
--- request 8824). A session grew by about 230 kB per claim + complete until the node ran out of
+-- request 8824). A session grew with every claim + complete until the node ran out of
 -- memory, and paid for the planning anyway. A custom plan names its shard when it is made, is
--- executed once and freed: memory stays flat, and the worker spent about 11% less CPU per
--- claim + complete (docs/benchmarks.md). On one server the generic plans stay (see
+-- executed once and freed: memory stays flat, and the worker spent less CPU per claim +
+-- complete (docs/design.md, "Performance decisions"). On one server the generic plans stay (see
 -- docs/design.md): this does nothing there.
 --
 -- Which functions: the ones Citus delegates (they run the per-key statements, and call the

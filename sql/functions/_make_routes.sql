@@ -9,10 +9,9 @@
 --   _drop_released_row                       claim()'s removal of a released key's row
 --
 -- Why generate code: a statement on the parent, even with a generic plan that prunes at executor
--- startup, locks every partition the plan names (PostgreSQL 15 to 18), about 1 µs per partition
--- and statement; with 100 partitions claim + complete ran at 0.71-0.76x the rate at 5
--- (docs/benchmarks.md). Dynamic SQL on the partition avoids the locks but plans on every call
--- (0.63x at any count). A static statement per partition, chosen by an IF on created_at, has a
+-- startup, locks every partition the plan names (PostgreSQL 15 to 18), so its cost grows with
+-- the number of partitions. Dynamic SQL on the partition avoids the locks but plans on every
+-- call. A static statement per partition, chosen by an IF on created_at, has a
 -- cached plan on a plain table and locks one table: flat in the number of partitions.
 --
 -- The generated functions are a cache of the catalog, never the truth, so staleness is harmless:
@@ -32,7 +31,8 @@
 -- partition), without reading
 -- key_directory. Only _complete_row has one: complete() comes within a lease of the claim, so
 -- the key's row is nearly always in the partition of the completion's own time, and the
--- directory read it saves was 15 µs (PG 15) of complete's 83 (docs/benchmarks.md, "Engine v3").
+-- directory read it saves is a sizeable part of complete's work (docs/design.md, "Routing to
+-- one partition").
 -- A wrong guess (a complete after a takeover days later, or across midnight) matches no row,
 -- and the route reads created_at from key_directory and goes on as any route: correct either
 -- way, since (scope, key) has one row in all the partitions (key_directory's primary key) and
@@ -227,10 +227,10 @@ $src$;
 BEGIN
     -- The partitions, read once for every route. Newest first: most calls concern keys claimed
     -- moments ago, and complete's guess goes by its own time. The partitions made ahead come
-    -- last, since no key is created in the future (a test clock aside): with three made ahead,
-    -- today's partition was the fourth test of every call (0.4-0.5 µs of complete's 20-22 inside
-    -- the server, docs/benchmarks.md). A route made before midnight tests yesterday's partition
-    -- first after it, until maintain() makes them again.
+    -- last, since no key is created in the future (a test clock aside): otherwise today's
+    -- partition would come after every partition made ahead, in every call. A route made
+    -- before midnight tests yesterday's partition first after it, until maintain() makes
+    -- them again.
     -- None on Citus (idempotency.distribute): there each statement goes to the scope's shard of
     -- the parent, and the worker prunes its partitions; a branch per partition would only add
     -- a lock statement and tests to every call.
@@ -298,12 +298,11 @@ BEGIN
                 -- settings.partition_interval from _partition_origin(), as _partition_start
                 -- bins for maintain()), which the plan prunes to that one partition. date_bin
                 -- and the origin's value, not a call of _partition_start: with constant
-                -- arguments (custom plans) the planner would run that SQL function, ~10 µs.
+                -- arguments (custom plans) the planner would run that SQL function.
                 -- Without the partition's bound the hour reached into the previous partition
                 -- for the first hour of each one
-                -- (the previous day's, or the default partition) and every guess scanned two:
-                -- workers' CPU per claim + complete 500 -> 610 µs after midnight
-                -- (docs/benchmarks.md). A key claimed in the previous partition and completed
+                -- (the previous day's, or the default partition) and every guess scanned two.
+                -- A key claimed in the previous partition and completed
                 -- in this one misses the guess and is read through the directory below. On
                 -- Citus a directory read is a statement through Citus's executor like any
                 -- other, which the guess saves. The width as seconds: date_bin counts a day
@@ -405,10 +404,9 @@ BEGIN
             -- DETACH of a partition locks the parent exclusively, so no test can pass for a
             -- partition that is gone before its statement runs. LOCK TABLE ONLY takes the
             -- same lock as a query on the parent alone (ACCESS SHARE, to the end of the
-            -- transaction) without planning and starting an executor: about 5,000 CPU
-            -- instructions less per call than the PERFORM ... WHERE false before 0.11.0
-            -- (docs/benchmarks.md, "late night"). (The routes are VOLATILE, so a LOCK runs in
-            -- them even under a STABLE caller.)
+            -- transaction) without planning and starting an executor, which the
+            -- PERFORM ... WHERE false before 0.11.0 did. (The routes are VOLATILE, so a LOCK
+            -- runs in them even under a STABLE caller.)
             v_lookup := E'\n    LOCK TABLE ONLY idempotency.keys IN ACCESS SHARE MODE;'
                         || v_lookup;
         END IF;

@@ -8,12 +8,11 @@
 --
 -- Two function calls, not four: the expression is compiled again in every transaction that
 -- calls the function (PL/pgSQL keeps a simple expression's state per transaction), and each
--- call in it costs its compilation (a permission check) and its evaluation, about 1,700
--- instructions apiece. The anchored regex says "not empty, no control character" in one call
--- (it cannot say "at most 255": a bounded repetition cost the backend 150,000 instructions a
--- call). NULL gives NULL, not false: every caller wraps its test in coalesce(..., false).
--- Measured with bench/instructions.py (docs/benchmarks.md): 9,100 instructions less per
--- payment (claim + complete_bytes), 1.4%.
+-- call in it costs its compilation (a permission check) and its evaluation. The anchored
+-- regex says "not empty, no control character" in one call (it cannot say "at most 255": a
+-- bounded repetition compiles to a far costlier automaton). NULL gives NULL, not false: every
+-- caller wraps its test in coalesce(..., false). Measured with bench/instructions.py
+-- (docs/design.md, "Performance decisions").
 CREATE FUNCTION idempotency._name_ok(value text)
 RETURNS boolean
 LANGUAGE sql

@@ -15,8 +15,8 @@
 -- r is uuid_hash() of a fresh version-4 UUID: 32 bits that depend on all of its 122 random
 -- bits, so as hard to guess as the UUID. Until 0.11.0 r was the UUID's first 8 hex digits,
 -- through a text and a bit(32) cast: two I/O conversions and four more calls, which the
--- INSERT that calls this compiles and runs again on every claim (7,300 instructions per
--- payment more, bench/instructions.py, docs/benchmarks.md).
+-- INSERT that calls this compiles and runs again on every claim (docs/design.md,
+-- "Performance decisions").
 -- h fits 31 bits until 2092, so the token stays a positive bigint. Without SET search_path so
 -- that it is inlined into the caller; everything is schema-qualified (greatest is syntax).
 CREATE FUNCTION idempotency._new_token(previous bigint)

@@ -3,8 +3,8 @@
 --
 -- Without SET search_path, so that the planner inlines it where its arguments are columns (see
 -- _name_ok). Where they are constants the planner runs it instead, through the SQL function
--- executor, at about 10 µs a call (measured: a statement with complete()'s guess bound written
--- through it planned in 188 µs, with date_bin in 178): the guess that _make_routes generates,
+-- executor, which costs more than the whole date_bin expression (measured on complete()'s
+-- guess, docs/design.md, "Performance decisions"): the guess that _make_routes generates,
 -- planned afresh on every call on Citus, writes date_bin and the origin's value, not this call.
 CREATE FUNCTION idempotency._partition_start(partition_interval interval, moment timestamptz)
 RETURNS timestamptz

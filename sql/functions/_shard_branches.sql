@@ -1,7 +1,7 @@
 -- The shard branches of a generated local half (see _make_routes, Citus only): stmts[i] when
 -- v_shard = shards[i], chosen by a balanced tree of IF v_shard < ... tests, so that a call runs
 -- about log2(shards) tests, not one per shard (PL/pgSQL builds each test's executor state once
--- per transaction, about 2,000 CPU instructions). A v_shard that is in no leaf (a shard a split
+-- per transaction, a cost paid per test). A v_shard that is in no leaf (a shard a split
 -- made after the routes were generated) runs nothing. '' for no shard.
 CREATE FUNCTION idempotency._shard_branches(
     shards bigint[],

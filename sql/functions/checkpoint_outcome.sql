@@ -1,4 +1,4 @@
--- checkpoint() with the lost lease as an answer, not an error (issue 33; see
+-- checkpoint() with the lost lease as an answer, not an error (see
 -- heartbeat_outcome for why on Citus). Unlike checkpoint(), a lost lease does not abort the
 -- caller's transaction: the caller must roll back the step's writes itself on any outcome but
 -- 'ok' (the Python package's Operation does, then raises LeaseLost). For a caller that cannot

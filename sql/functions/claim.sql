@@ -40,8 +40,8 @@ BEGIN
     -- The common call (a fresh key, valid arguments, our own fingerprint, READ COMMITTED, no
     -- test clock) passes one inlined test: PL/pgSQL builds each expression's executor state
     -- once per transaction, and every claim is a transaction of its own, so each IF and
-    -- assignment costs about 2,000 CPU instructions per call however cheap its test, and
-    -- 1,500 more per function it calls (docs/benchmarks.md, "late night"). Anything else
+    -- assignment has a cost per call however cheap its test, and more for every function
+    -- it calls (docs/design.md, "Performance decisions"). Anything else
     -- takes the branch below, which checks in the documented order and says what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL.
     IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
@@ -93,10 +93,10 @@ BEGIN
     -- Citus: a new key's two rows by static statements on the scope's shards, when this node
     -- holds them (see _make_routes); otherwise (a NULL outcome: the key exists, or its shards
     -- are elsewhere) the statements below, through Citus. _local_shards() folds to a constant:
-    -- false on one server, where this IF costs about 900 instructions per call; true on a
-    -- cluster. Outside the branch above, so that a common call on a cluster skips the checks:
-    -- there each is planned afresh on every call (_citus_custom_plans), about 6% of a worker's
-    -- CPU per claim + complete when every claim took them (docs/benchmarks.md).
+    -- false on one server, where this IF is one cheap test per call; true on a cluster.
+    -- Outside the branch above, so that a common call on a cluster skips the checks: there
+    -- each is planned afresh on every call (_citus_custom_plans), a noticeable part of a
+    -- worker's CPU when every claim took them.
     IF idempotency._local_shards() THEN
         v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
                                                  claim.lease, v_now);

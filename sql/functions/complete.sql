@@ -27,10 +27,10 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
-    -- once per transaction, about 1,500 instructions per function it calls: see claim); the
+    -- once per transaction, and pays for every function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
     -- operand would make the whole test NULL. The form of the scope and the key (a regex
-    -- each, about 8,000 instructions per call) and the token's NULL are left to the miss
+    -- each, the costliest checks) and the token's NULL are left to the miss
     -- below; the scope's NULL stays here, so that no statement of the route runs without the
     -- scope that places it (on Citus, its shard). headers NULL takes the branch, which makes
     -- it '{}'. The sizes come first there (before the headers' jsonpath test reads them):

@@ -21,7 +21,7 @@ DECLARE
     v_completed timestamptz;
 BEGIN
     -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
-    -- once per transaction, about 1,500 instructions per function it calls: see claim); the
+    -- once per transaction, and pays for every function it calls: see claim); the
     -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
     -- operand would make the whole test NULL. The form of the scope and the key and the
     -- token's NULL are left to the miss below, as in complete(). headers NULL takes the

@@ -1,4 +1,4 @@
--- release() with the lost lease as an answer, not an error (issue 33; see heartbeat_outcome
+-- release() with the lost lease as an answer, not an error (see heartbeat_outcome
 -- for why on Citus): 'ok', or 'lease_lost' / 'completed' where release raises IK001 / IK004.
 -- release writes nothing else of the caller's, so nothing needs the error's rollback. Bad
 -- arguments still raise. Keep the body in step with release.sql.

@@ -1,5 +1,5 @@
 -- What heartbeat_outcome(), checkpoint_outcome() and release_outcome() return: the answer of a
--- fenced call as a value instead of an error (issue 33). Columns are public API.
+-- fenced call as a value instead of an error. Columns are public API.
 CREATE TYPE idempotency.lease_outcome AS (
     -- ok | lease_lost (IK001 from the raising form: not the key's current token, the same for
     -- every key state) | completed (IK004: the key was completed with this very token)

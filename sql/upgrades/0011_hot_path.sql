@@ -2,8 +2,8 @@
 -- is explained in sql/upgrades/0002_maintenance.sql. Self-contained: only the objects added or
 -- changed here.
 --
--- 0011: the hot path of complete, and custom plans on Citus (0.11.0; issue "Engine v3",
--- docs/benchmarks.md).
+-- 0011 (0.11.0): the hot path of claim and complete, size limits, completers limited to
+-- scopes, lease outcomes as values, and custom plans on Citus.
 -- - complete() and complete_bytes() check their arguments themselves and call the generated
 --   route _complete_row directly: two PL/pgSQL levels instead of three. _finish goes.
 -- - _complete_row, given created_at NULL, first tries the partition that holds the
@@ -12,12 +12,16 @@
 --   IK004 through _lease_error).
 -- - _make_routes builds its branches with the new _route_branches(), today's partition first
 --   (the ones made ahead last); without partitions (Citus) _complete_row's guess is the UPDATE
---   on the parent for a key created in the hour up to the completion.
+--   on the parent for a key created in the same partition in the hour up to the completion.
 -- - On a Citus cluster, the per-key functions plan each statement afresh (force_custom_plan):
---   with generic plans, Citus's local plan cache grew every session by ~230 kB per
+--   with generic plans, Citus's local plan cache grew in every session with every
 --   claim + complete (_citus_custom_plans, called by distribute() and from here on by every
 --   migration's end, since a migration puts the sources' generic plans back).
--- No table changes; no data moves.
+-- Table changes, no data moved: settings gains max_request_bytes, max_response_bytes and
+-- max_headers_bytes (with defaults and CHECK constraints); grants gains scopes (NULL for the
+-- roles granted before: every scope); a new table completer_grants mirrors them; a new type
+-- lease_outcome. grant_usage(regrole, text) and _finish are dropped (grant_usage has a new
+-- signature with scopes; the old call shape still works through its defaults).
 
 -- The partitions' origin (2000-01-01 00:00 UTC) written once, in _partition_origin, which
 -- _partition_start (for _premake, _make_partitions, _keep_from) and complete()'s guess on
@@ -40,7 +44,7 @@ DROP FUNCTION idempotency._finish(
     text, text, text, bigint, integer, jsonb, jsonb, bytea, text, timestamptz
 );
 
--- Size limits (issue 34 "Bounds"): settings.max_request_bytes, max_response_bytes and
+-- Size limits: settings.max_request_bytes, max_response_bytes and
 -- max_headers_bytes, refused with IK018 before anything is canonicalized or stored.
 -- One statement per column and per constraint, each constraint named: Citus refuses an ADD
 -- COLUMN that carries a constraint on a distributed install (settings is a reference table).
@@ -86,7 +90,7 @@ max_response_bytes, max_headers_bytes.';
 -- @replace functions/schedule_maintenance.sql
 -- @replace functions/unschedule_maintenance.sql
 
--- Completers limited to scopes (issue 34, H6): grant_usage(..., scopes => ...), recorded in
+-- Completers limited to scopes: grant_usage(..., scopes => ...), recorded in
 -- grants.scopes and mirrored by role name into completer_grants (a reference table on Citus),
 -- which takeover() and list_abandoned() check (_completer_scopes, IK023). The roles granted
 -- before keep every scope: their rows get scopes NULL, and the _reapply_grants() at the end of
@@ -105,14 +109,14 @@ DROP FUNCTION idempotency.grant_usage(regrole, text);
 -- @replace functions/list_abandoned.sql
 -- list_keys(older_than): at most 1000 years (IK014), never 22008 from inside.
 -- @replace functions/list_keys.sql
--- No timing oracle on wrong tokens (issue 34): a key missing from key_directory is looked for
+-- No timing oracle on wrong tokens: a key missing from key_directory is looked for
 -- in the partition of now, so every key state costs the same statements.
 -- @include functions/_lease_outcome.sql
 -- @replace functions/_lease_error.sql
 -- @replace functions/heartbeat.sql
 -- @replace functions/checkpoint.sql
 -- @replace functions/release.sql
--- Outcomes instead of errors (issue 33): on Citus every error raised on a worker costs the
+-- Outcomes instead of errors: on Citus every error raised on a worker costs the
 -- session a new worker connection. heartbeat_outcome, checkpoint_outcome and release_outcome
 -- answer lease_lost / completed as a value (type lease_outcome) where heartbeat, checkpoint and
 -- release raise IK001 / IK004, which they still do. New objects: a distributed install runs
@@ -122,9 +126,9 @@ DROP FUNCTION idempotency.grant_usage(regrole, text);
 -- @include functions/checkpoint_outcome.sql
 -- @include functions/release_outcome.sql
 
--- Fewer calls in the expressions the hot path compiles in every transaction (issue 32,
--- docs/benchmarks.md): _name_ok tests "not empty, no control character" with one anchored
--- regex; _new_token hashes its UUID (uuid_hash) instead of casting it through text and bit.
+-- Fewer calls in the expressions the hot path compiles in every transaction: _name_ok tests
+-- "not empty, no control character" with one anchored regex; _new_token hashes its UUID
+-- (uuid_hash) instead of casting it through text and bit.
 -- Same answers, same token layout. The functions that inline them are replaced above or
 -- re-planned by PostgreSQL when these change.
 -- @replace functions/_name_ok.sql
