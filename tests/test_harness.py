@@ -27,6 +27,7 @@ import pgharness
 from pgharness import WAIT_BOUND
 
 TESTS = Path(__file__).resolve().parent
+HARNESS = TESTS.parent / "harness"  # pgharness, which the child imports
 
 CHILD = textwrap.dedent("""
     import faulthandler, json, os, signal, time
@@ -97,7 +98,8 @@ STOP_BOUND = WAIT_BOUND  # the interrupted child stops them, or its watchdog doe
 def test_no_server_outlives_an_interrupted_pytest(tmp_path: Path, sig: signal.Signals) -> None:
     (tmp_path / "test_child.py").write_text(CHILD)
     pids_file = tmp_path / "pids.json"
-    env = {**os.environ, "PYTHONPATH": str(TESTS), "PIDS_FILE": str(pids_file)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HARNESS), str(TESTS)]),
+           "PIDS_FILE": str(pids_file)}
     # Its output goes to a file, not a pipe: nothing it writes can block it on a pipe nobody
     # reads, and what it wrote is there to show when it fails.
     output = tmp_path / "child.out"
