@@ -90,11 +90,11 @@ def test_help(args: tuple[str, ...], needles: list[str]) -> None:
 
 
 def test_version() -> None:
-    from pg_idempotency import __version__
+    from pg_idempotency import SCHEMA_VERSION, __version__
 
     proc = run("--version")
     assert proc.returncode == 0
-    assert proc.stdout.strip() == f"pg-idempotency {__version__}"
+    assert proc.stdout.strip() == f"pg-idempotency {__version__} (needs schema {SCHEMA_VERSION})"
 
 
 def test_no_command_is_a_usage_error() -> None:
@@ -299,6 +299,34 @@ def test_status_counts_add_up_with_released_keys(empty_db: str) -> None:
     assert header.split()[:6] == ["scope", "keys", "in_progress", "completed", "released",
                                   "tombstone"]
     assert line.split()[:6] == ["acct_sum", "4", "1", "1", "2", "0"]
+
+
+def test_status_says_which_schema_the_database_has_and_the_package_needs(empty_db: str) -> None:
+    """status names the database's schema version and the one this package needs (they may
+    differ from the package's own version: a patch release ships no migration); a database
+    behind the package is told to migrate, naming both."""
+    from pg_idempotency import SCHEMA_VERSION, __version__
+    from pg_idempotency.schema import REQUIRED_MIGRATION, SCHEMA_VERSIONS
+
+    assert run("migrate", "--dsn", empty_db).returncode == 0
+    proc = run("status", "--dsn", empty_db)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1] == (
+        f"schema: {SCHEMA_VERSION} (migration {REQUIRED_MIGRATION:04d}); pg-idempotency "
+        f"{__version__} needs {SCHEMA_VERSION}")
+    proc = run("status", "--dsn", empty_db, "--json")
+    assert json.loads(proc.stdout)["schema"] == {
+        "installed": SCHEMA_VERSION, "migration": REQUIRED_MIGRATION,
+        "required": SCHEMA_VERSION, "package": __version__}
+    with psycopg.connect(empty_db, autocommit=True) as conn:
+        conn.execute("DELETE FROM idempotency.migrations WHERE version = %s",
+                     (REQUIRED_MIGRATION,))
+    behind = REQUIRED_MIGRATION - 1
+    assert_one_line_error(
+        run("status", "--dsn", empty_db),
+        f"is at {SCHEMA_VERSIONS[behind]} (migration {behind:04d})",
+        f"pg-idempotency {__version__} needs {SCHEMA_VERSION} "
+        f"(migration {REQUIRED_MIGRATION:04d}): run 'pg-idempotency migrate' first")
 
 
 @pytest.mark.parametrize("command", ["status", "maintain", "migrate", "keys list"])

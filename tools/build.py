@@ -48,10 +48,23 @@ MIGRATIONS = ROOT / "migrations"
 BUILD = ROOT / "build"
 UPGRADES = SQL / "upgrades"
 EXTENSION = "pg_idempotency"
-# The extension version each migration brings the schema to: CREATE EXTENSION installs the
-# last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later migration.
-VERSIONS = {1: "0.1.0", 2: "0.2.0", 3: "0.3.0", 4: "0.4.0", 5: "0.5.0", 6: "0.6.0", 7: "0.7.0",
-            8: "0.8.0", 9: "0.9.0", 10: "0.10.0", 11: "0.11.0"}
+
+
+def _schema_versions() -> dict[int, str]:
+    """SCHEMA_VERSIONS of python/pg_idempotency/schema.py, the one place they are written (the
+    package reports them too), read from the source tree without importing the package."""
+    namespace: dict[str, object] = {}
+    source = ROOT / "python" / "pg_idempotency" / "schema.py"
+    exec(compile(source.read_text(), str(source), "exec"), namespace)  # noqa: S102
+    versions = namespace["SCHEMA_VERSIONS"]
+    assert isinstance(versions, dict)
+    return versions
+
+
+# The extension (schema) version each migration brings the database to: CREATE EXTENSION
+# installs the last one; ALTER EXTENSION pg_idempotency UPDATE runs one upgrade script per later
+# migration. The package's own version may be a patch beyond it (docs/releasing.md).
+VERSIONS = _schema_versions()
 VERSION = VERSIONS[max(VERSIONS)]
 # Members of an extension are left out of pg_dump unless marked: the default partitions hold
 # keys (until maintenance moves them out), the sequence's position is what keeps fencing

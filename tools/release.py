@@ -1,22 +1,27 @@
 #!/usr/bin/env python3
-"""Release a version: check that everything agrees on it, freeze its migration, date its
-changelog section, commit and tag (docs/releasing.md).
+"""Release a version: check that everything agrees on it, freeze its migration if it ships
+one, date its changelog section, commit and tag (docs/releasing.md).
 
-    tools/release.py --check            what tests/test_release.py checks: pyproject.toml, the
-                                        newest migration (tools/build.py's VERSIONS), the
-                                        installed package's __version__, CHANGELOG.md and the
-                                        docs name the same version; every released migration
+    tools/release.py --check            what tests/test_release.py checks: the package's version
+                                        (pyproject.toml, the installed __version__) is the
+                                        newest schema version (python/pg_idempotency/schema.py,
+                                        one per migration) or a patch of it; CHANGELOG.md and
+                                        the docs agree; every released migration
                                         (migrations/SHA256SUMS) has a dated changelog section
-                                        and every dated section a released migration
+                                        and every dated section a released schema
     tools/release.py X.Y.Z [--dry-run]  release X.Y.Z, the unreleased version: the checks
                                         above, a clean work tree, lint's build check; then
-                                        tools/build.py --freeze N, the changelog section's date,
-                                        one commit "Release X.Y.Z" and the annotated tag vX.Y.Z.
-                                        Pushes nothing. --dry-run stops before changing a file.
+                                        tools/build.py --freeze N when X.Y.Z is the newest
+                                        migration's schema version, the changelog section's
+                                        date, one commit "Release X.Y.Z" and an annotated tag
+                                        vX.Y.Z (a convenience: nothing reads tags). Pushes
+                                        nothing. --dry-run stops before changing a file.
 
-One version is one migration: 0.N.0 ships migrations/000N_name.sql. After a release the next
-version starts by hand (docs/releasing.md): a new VERSIONS entry with its first migration, the
-version in pyproject.toml, and a "## X.Y.Z (unreleased)" section on top of CHANGELOG.md.
+Two kinds of version. A schema version is one migration: X.Y.0 ships
+migrations/000N_name.sql, and the extension has the same version. A package version X.Y.Z is
+the schema version X.Y.0 it needs, or a patch of it (Z > 0) that ships no migration: a Python
+fix released as 0.11.1. A release is readable from the tree alone: the dated CHANGELOG.md
+section, and for a schema version its migration's line in migrations/SHA256SUMS.
 """
 
 from __future__ import annotations
@@ -50,14 +55,26 @@ build = _load_build()
 
 CHANGELOG = ROOT / "CHANGELOG.md"
 SECTION_RE = re.compile(r"^## (\d+\.\d+\.\d+) \((unreleased|\d{4}-\d{2}-\d{2})\)$", re.M)
-# Where the docs name the current version: each pattern must match with {version}.
+# Where the docs name the current versions: each pattern must match with {package} (the
+# package's version: the wheel, the tarball) and {schema} (the extension's).
 DOC_MENTIONS = {
-    "README.md": ["dist/pg_idempotency-{version}-py3-none-any.whl"],
-    "docs/install.md": ["`pg_idempotency--{version}.sql` (all migrations",
-                        "as a fresh {version};",
-                        "dist/pg_idempotency-{version}-py3-none-any.whl",
-                        "dist/pg_idempotency-{version}-extension.tar.gz"],
+    "README.md": ["dist/pg_idempotency-{package}-py3-none-any.whl"],
+    "docs/install.md": ["`pg_idempotency--{schema}.sql` (all migrations",
+                        "as a fresh {schema};",
+                        "dist/pg_idempotency-{package}-py3-none-any.whl",
+                        "dist/pg_idempotency-{package}-extension.tar.gz"],
 }
+
+
+def parse(version: str) -> tuple[int, int, int]:
+    major, minor, patch = version.split(".")
+    return int(major), int(minor), int(patch)
+
+
+def schema_of(version: str) -> str:
+    """The schema version X.Y.0 a package version X.Y.Z needs."""
+    major, minor, _ = parse(version)
+    return f"{major}.{minor}.0"
 
 
 def pyproject_version() -> str:
@@ -74,19 +91,21 @@ def changelog_sections() -> list[tuple[str, str, str]]:
 
 
 def problems(installed_version: str | None = None) -> list[str]:
-    """Every way the version's sources disagree; empty when they all agree."""
+    """Every way the versions' sources disagree; empty when they all agree."""
     found: list[str] = []
     latest = max(build.VERSIONS)
-    version = build.VERSIONS[latest]
-    if pyproject_version() != version:
-        found.append(f"pyproject.toml says {pyproject_version()}, tools/build.py's VERSIONS "
-                     f"gives migration {latest:04d} version {version}")
-    if installed_version is not None and installed_version != version:
+    schema = build.VERSIONS[latest]
+    package = pyproject_version()
+    if not re.fullmatch(r"\d+\.\d+\.\d+", package) or schema_of(package) != schema:
+        found.append(f"pyproject.toml says {package}: the package's version must be the newest "
+                     f"schema version, {schema} (migration {latest:04d}), or a patch of it")
+    if installed_version is not None and installed_version != package:
         found.append(f"the installed package's __version__ is {installed_version}, not "
-                     f"{version} (reinstall: pip install .)")
+                     f"{package} (reinstall: pip install .)")
     names = {int(p.name[:4]): p.name for p in build.migrations()}
     if sorted(names) != sorted(build.VERSIONS):
-        found.append(f"migrations {sorted(names)} and VERSIONS {sorted(build.VERSIONS)} differ")
+        found.append(f"migrations {sorted(names)} and SCHEMA_VERSIONS {sorted(build.VERSIONS)} "
+                     "differ")
     released = build.frozen()
     sections = changelog_sections()
     if not sections:
@@ -94,10 +113,9 @@ def problems(installed_version: str | None = None) -> list[str]:
     by_version = {v: (date, body) for v, date, body in sections}
     if len(by_version) != len(sections):
         found.append("CHANGELOG.md has a version twice")
-    order = [tuple(map(int, v.split("."))) for v, _, _ in sections]
+    order = [parse(v) for v, _, _ in sections]
     if order != sorted(order, reverse=True):
         found.append("CHANGELOG.md's sections are not newest first")
-    unreleased = [v for v, date, _ in sections if date == "unreleased"]
     for number, filename in sorted(names.items()):
         v = build.VERSIONS.get(number)
         if v is None:
@@ -116,22 +134,29 @@ def problems(installed_version: str | None = None) -> list[str]:
                          "(not in migrations/SHA256SUMS)")
     known = set(build.VERSIONS.values())
     for v in by_version:
-        if v not in known:
-            found.append(f"CHANGELOG.md has a section for {v}, which no migration ships")
-    if latest_released(released) == latest:
-        if unreleased:
-            found.append(f"every migration is released, yet CHANGELOG.md has {unreleased} "
-                         "unreleased")
-    elif unreleased != [version]:
-        found.append(f"CHANGELOG.md must have exactly one unreleased section, {version} on top: "
-                     f"it has {unreleased or 'none'}")
-    elif sections[0][0] != version:
-        found.append(f"CHANGELOG.md's top section must be the unreleased {version}")
+        if v not in known and schema_of(v) not in known:
+            found.append(f"CHANGELOG.md has a section for {v}, which is neither a migration's "
+                         "schema version nor a patch of one")
+    unreleased = [v for v, date, _ in sections if date == "unreleased"]
+    if latest_released(released) != latest:
+        if package != schema or unreleased != [schema]:
+            found.append(f"migration {latest:04d} is unreleased: pyproject.toml and exactly one "
+                         f"unreleased CHANGELOG.md section must say {schema} (they say "
+                         f"{package} and {unreleased or 'none'})")
+    elif unreleased and unreleased != [package]:
+        found.append(f"exactly one unreleased CHANGELOG.md section may be open, for the "
+                     f"package's version {package}: it has {unreleased}")
+    elif not unreleased and sections[0][0] != package:
+        found.append(f"pyproject.toml says {package}, but CHANGELOG.md has no section for it: "
+                     f"its newest is {sections[0][0]}")
+    if unreleased and sections[0][1] != "unreleased":
+        found.append(f"CHANGELOG.md's top section must be the unreleased {unreleased[0]}")
     for doc, patterns in DOC_MENTIONS.items():
         text = re.sub(r"\s+", " ", (ROOT / doc).read_text())
         for pattern in patterns:
-            if pattern.format(version=version) not in text:
-                found.append(f"{doc} does not say {pattern.format(version=version)!r}")
+            wanted = pattern.format(package=package, schema=schema)
+            if wanted not in text:
+                found.append(f"{doc} does not say {wanted!r}")
     return found
 
 
@@ -146,14 +171,23 @@ def git(*args: str) -> str:
 
 def release(version: str, dry_run: bool) -> int:
     latest = max(build.VERSIONS)
-    if build.VERSIONS[latest] != version:
-        sys.exit(f"release.py: the unreleased version is {build.VERSIONS[latest]} "
-                 f"(migration {latest:04d}), not {version}")
-    if latest_released(build.frozen()) == latest:
-        sys.exit(f"release.py: migration {latest:04d} is already released")
+    schema = build.VERSIONS[latest]
+    ships_migration = latest_released(build.frozen()) != latest
+    dated = {v for v, date, _ in changelog_sections() if date != "unreleased"}
+    if version in dated:
+        sys.exit(f"release.py: {version} is already released (CHANGELOG.md dates it)")
+    if ships_migration and version != schema:
+        sys.exit(f"release.py: the unreleased version is {schema} (migration {latest:04d}), "
+                 f"not {version}")
+    if not ships_migration and version != pyproject_version():
+        sys.exit(f"release.py: migration {latest:04d} is already released; a patch release "
+                 f"is the package's version in pyproject.toml ({pyproject_version()}), not "
+                 f"{version}")
     import pg_idempotency
     found = problems(pg_idempotency.__version__)
     found += build.frozen_problems()
+    if f"## {version} (unreleased)" not in CHANGELOG.read_text():
+        found.append(f"CHANGELOG.md has no '## {version} (unreleased)' section")
     if git("status", "--porcelain", "--untracked-files=no").strip():
         found.append("the work tree has uncommitted changes: commit or drop them first")
     if git("tag", "--list", f"v{version}").strip():
@@ -164,18 +198,21 @@ def release(version: str, dry_run: bool) -> int:
     subprocess.run([sys.executable, str(ROOT / "tools" / "build.py"), "--check"], cwd=ROOT,
                    check=True, stdout=subprocess.DEVNULL)
     today = datetime.datetime.now(datetime.timezone.utc).date().isoformat()
-    print(f"release {version}: freeze migration {latest:04d}, date the changelog {today}, "
-          f"commit, tag v{version}")
+    freeze = f"freeze migration {latest:04d}, " if ships_migration else "no migration, "
+    print(f"release {version}: {freeze}date the changelog {today}, commit, tag v{version}")
     if dry_run:
         print("dry run: nothing changed")
         return 0
-    print(build.freeze(latest))
+    files = ["CHANGELOG.md"]
+    if ships_migration:
+        print(build.freeze(latest))
+        files.append("migrations/SHA256SUMS")
     text = CHANGELOG.read_text()
     CHANGELOG.write_text(text.replace(f"## {version} (unreleased)", f"## {version} ({today})",
                                       1))
-    git("commit", "-q", "-m", f"Release {version}: migration {latest:04d} frozen in "
-        "migrations/SHA256SUMS, CHANGELOG.md dated", "--", "CHANGELOG.md",
-        "migrations/SHA256SUMS")
+    what = (f"migration {latest:04d} frozen in migrations/SHA256SUMS, CHANGELOG.md dated"
+            if ships_migration else "CHANGELOG.md dated (no migration)")
+    git("commit", "-q", "-m", f"Release {version}: {what}", "--", *files)
     git("tag", "-a", f"v{version}", "-m", f"pg_idempotency {version}")
     print(f"tagged v{version}; push with: git push origin HEAD v{version}; "
           "then start the next version (docs/releasing.md)")

@@ -59,6 +59,7 @@ from .errors import (
     UsageError,
 )
 from .fingerprint import canonical_json, derive_key, fingerprint
+from .schema import REQUIRED_MIGRATION, SCHEMA_VERSION
 
 try:
     __version__ = _metadata.version("pg-idempotency")
@@ -70,7 +71,8 @@ __all__ = [
     "DatabaseUnavailable", "IdempotencyError",
     "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress", "KeyMismatch",
     "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound", "Operation",
-    "Outcome", "PgCronNotInstalled", "ScopeNotGranted", "StoredResponse", "UsageError", "accept",
+    "Outcome", "PgCronNotInstalled", "REQUIRED_MIGRATION", "SCHEMA_VERSION", "ScopeNotGranted",
+    "StoredResponse", "UsageError", "accept",
     "allow_prepared_statements",
     "canonical_json", "checkpoint", "claim", "complete", "derive_key", "fingerprint",
     "heartbeat", "idempotent", "inbox_accept", "list_abandoned", "operation", "release",

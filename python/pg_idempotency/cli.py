@@ -43,6 +43,7 @@ from psycopg.conninfo import conninfo_to_dict
 
 from . import __version__, core, maintenance, queries
 from .migrate import MigrationError, install_sql, migrate, migrations, sql_path
+from .schema import SCHEMA_VERSION, schema_version
 
 PROG = "pg-idempotency"
 # Seconds to wait for the server when neither the DSN nor PGCONNECT_TIMEOUT says: without it
@@ -155,10 +156,16 @@ def cmd_status(args: argparse.Namespace, conn: psycopg.Connection | None) -> int
         status = maintenance.fetch_status(conn)
     except psycopg.Error as exc:
         raise CliError(f"status failed: {_describe(exc)}") from None
+    installed = getattr(args, "schema_migration", None)
+    schema = {"installed": schema_version(installed), "migration": installed,
+              "required": SCHEMA_VERSION, "package": __version__}
     if args.json:
-        print(json.dumps(maintenance.status_json(status, args.limit), indent=2))
+        print(json.dumps({**maintenance.status_json(status, args.limit), "schema": schema},
+                         indent=2))
     else:
         print(maintenance.format_status(status, args.limit))
+        print(f"schema: {schema['installed']} (migration {installed:04d}); {PROG} "
+              f"{__version__} needs {SCHEMA_VERSION}")
     return 0
 
 
@@ -438,7 +445,8 @@ def build_parser(commands: Sequence[Command] | None = None) -> argparse.Argument
         epilog=f"Run '{PROG} COMMAND --help' for the options of a command. Commands that "
         "use a database take --dsn, or read the DATABASE_URL environment variable.",
     )
-    parser.add_argument("--version", action="version", version=f"{PROG} {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"{PROG} {__version__} (needs schema {SCHEMA_VERSION})")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS if commands is None else commands:
         p = sub.add_parser(command.name, help=command.help, description=command.description)
@@ -465,7 +473,7 @@ def run_command(command: Command, args: argparse.Namespace) -> int:
         raise CliError("no database given: pass --dsn DSN or set DATABASE_URL", status=2)
     with _connect(dsn) as conn:
         if command.needs_schema:
-            _require_schema(conn)
+            args.schema_migration = _require_schema(conn)
         return command.run(args, conn)
 
 
@@ -476,8 +484,9 @@ def _bundled_names() -> dict[int, str]:
         raise CliError(str(exc)) from None
 
 
-def _require_schema(conn: psycopg.Connection) -> None:
-    """One line when the schema is missing or older than this package's migrations."""
+def _require_schema(conn: psycopg.Connection) -> int:
+    """The newest migration the database has; one line when the schema is missing or older
+    than the one this package needs."""
     names = _bundled_names()
     try:
         row = conn.execute(queries.SCHEMA_INSTALLED, prepare=False).fetchone()
@@ -491,8 +500,11 @@ def _require_schema(conn: psycopg.Connection) -> None:
         raise CliError(f"the idempotency schema is not installed in {where}: run "
                        f"'{PROG} migrate' first")
     if names and installed < max(names):
-        raise CliError(f"the idempotency schema in {where} is at migration {installed}, this "
-                       f"{PROG} needs {max(names)}: run '{PROG} migrate' first")
+        raise CliError(f"the idempotency schema in {where} is at {schema_version(installed)} "
+                       f"(migration {installed:04d}), {PROG} {__version__} needs "
+                       f"{SCHEMA_VERSION} (migration {max(names):04d}): run '{PROG} migrate' "
+                       "first")
+    return int(installed)
 
 
 def _connect(dsn: str) -> psycopg.Connection:
