@@ -1,8 +1,10 @@
--- Cross-partition uniqueness relies on reading the key after taking its advisory lock with a
--- snapshot taken after the lock. READ COMMITTED gives every statement a new snapshot; REPEATABLE
--- READ and SERIALIZABLE reuse the snapshot taken at the transaction's first statement, which can
--- predate a claim that committed while this one waited for the lock, and would then insert a
--- second row for the same key in another partition. So those levels are refused, not guessed at.
+-- Cross-partition uniqueness is decided by key_directory's primary key: a claim whose INSERT
+-- ... ON CONFLICT waited for a concurrent claim of the same key and did nothing reads the
+-- winner's rows with its next statement. READ COMMITTED gives that statement a snapshot taken
+-- after the wait; REPEATABLE READ and SERIALIZABLE reuse the transaction's first snapshot,
+-- which can predate the winner's commit (PostgreSQL then raises 40001 where a retry needs the
+-- answer in_progress). So those levels are refused, not guessed at (docs/design.md,
+-- "Uniqueness of (scope, key) across partitions").
 CREATE FUNCTION idempotency._require_read_committed(fn text)
 RETURNS void
 LANGUAGE plpgsql
