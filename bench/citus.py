@@ -39,7 +39,6 @@ prints when Citus is missing).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 import statistics
 import subprocess
@@ -51,18 +50,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import common
+import psycopg
+from common import clock_ticks, cpu_delta, server_cpu
 
-import psycopg  # noqa: E402
-from pgproc import clock_ticks, cpu_delta, server_cpu  # noqa: E402
-
-import pgharness  # noqa: E402
-from citus_cluster import CitusCluster  # noqa: E402
-from pg_idempotency import queries as Q  # noqa: E402
+import pgharness
+from citus_cluster import CitusCluster
+from pg_idempotency import queries as Q
 
 DB = "bench"
-MIGRATE_ARGS = ("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1")
 # Citus first: it must be loaded before any other preloaded library that hooks the executor.
 CONF = {"shared_preload_libraries": "citus,pg_stat_statements",
         "max_prepared_transactions": "100", "pg_stat_statements.track": "all",
@@ -136,8 +132,7 @@ def start_cluster() -> CitusCluster:
 
 
 def install(server: pgharness.PgServer) -> None:
-    for migration in sorted((ROOT / "migrations").glob("*.sql")):
-        server.run_psql(server.dsn(DB), migration, args=MIGRATE_ARGS)
+    common.install_engine(server, server.dsn(DB))
     server.run_psql(server.dsn(DB), LEDGER_SQL)
     server.run_psql(server.dsn(DB), RECIPE_SQL)
 
@@ -160,7 +155,7 @@ def setup(shards: int | None) -> tuple[CitusCluster, pgharness.PgServer, str]:
     single.run_psql(single.dsn(), f"CREATE DATABASE {DB}")
     install(single)
     single.run_psql(single.dsn(DB), "CREATE EXTENSION pg_stat_statements")
-    version = " ".join(single.version.split()[:2])
+    version = common.version(single)
     about = f"{version}, Citus {citus}, {count} shards of idempotency.keys"
     print(f"setup {time.monotonic() - t0:.0f} s: coordinator + {len(cluster.workers)} workers "
           f"and one single server, {about}; distribute() made {len(done)} changes", flush=True)
@@ -406,12 +401,11 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
                              "WHERE created_at >= %s AND created_at < %s", (c1, c2)).fetchone()[0]
     tps = 0.0
     for proc, out in zip(procs, outs, strict=True):
-        match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)",
-                          out.get("stdout", ""))
-        if proc.returncode != 0 or not match:
+        one = common.pgbench_tps(out.get("stdout", ""))
+        if proc.returncode != 0 or one is None:
             raise SystemExit(f"pgbench failed:\n{out.get('stdout')}\n{out.get('stderr')}"
                              + unfinished(counter, table))
-        tps += float(match.group(1))
+        tps += one
     window = {}
     for name in servers:
         claims = st2[name][0] - st1[name][0]
@@ -619,6 +613,7 @@ def main() -> int:
                         help="shard count for distribute() (default: Citus's, 32)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    common.check_writable(parser, json=args.json)
     cluster, single, about = setup(args.shards)
     try:
         hops = measure_hops(cluster)
@@ -637,7 +632,7 @@ def main() -> int:
         if args.json:
             summary["hops"] = [h.__dict__ for h in hops]
             summary["raw_rounds"] = rounds
-            args.json.write_text(json.dumps(summary, indent=1, default=str))
+            common.write_json(args.json, summary)
     finally:
         single.stop()
         cluster.stop()

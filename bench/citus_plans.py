@@ -33,11 +33,9 @@ import tempfile
 import time
 from pathlib import Path
 
+import citus as bench  # bench/citus.py: its cluster, script and pgbench rounds
 import psycopg
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import citus as bench  # noqa: E402
-from pgproc import clock_ticks  # noqa: E402
+from common import clock_ticks
 
 # The functions of the schema with a plan_cache_mode setting: on the cluster, the ones
 # distribute() set to custom plans; on the single server (no distribute()), the ones whose

@@ -47,7 +47,7 @@ the warm-up are outside it): the client prints a line when the window opens and 
 and at each the driver snapshots, from a connection to another database, the top-level
 statements' execution time and calls in the bench database (``pg_stat_statements``, preloaded,
 ``track = top``, BEGIN and COMMIT included), ``pg_current_wal_insert_lsn()``, and the CPU ticks
-of every process of the server and the time they waited for a CPU while runnable (bench/pgproc.py,
+of every process of the server and the time they waited for a CPU while runnable (bench/common.py,
 /proc/PID/schedstat). It prints, per variant and load, statement time, CPU, run-queue wait and
 WAL bytes per request with ours (middleware) over recipe and over none per round and their
 medians; bench/targets.py reads them from --json. On a machine whose cores are all busy (the
@@ -64,36 +64,13 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 # This file is called http.py: drop its directory from the import path before anything imports
 # the standard library's ``http`` package (starlette and uvicorn do).
 SELF = Path(__file__).resolve()
 BENCH = SELF.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != BENCH]
-ROOT = BENCH.parent
-sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "harness"))
-
-import argparse  # noqa: E402
-import asyncio  # noqa: E402
-import hashlib  # noqa: E402
-import json  # noqa: E402
-import os  # noqa: E402
-import random  # noqa: E402
-import socket  # noqa: E402
-import statistics  # noqa: E402
-import subprocess  # noqa: E402
-import time  # noqa: E402
-from collections import Counter  # noqa: E402
-from contextlib import asynccontextmanager  # noqa: E402
-from typing import Any  # noqa: E402
-
-# at module level: FastAPI resolves the handlers' (string) annotations in this module's globals
-from fastapi import FastAPI, Request  # noqa: E402
-from fastapi.responses import JSONResponse, Response  # noqa: E402
-from psycopg_pool import AsyncConnectionPool  # noqa: E402
-
-from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation  # noqa: E402
 
 
 def _bench_module(name: str) -> Any:
@@ -107,7 +84,28 @@ def _bench_module(name: str) -> Any:
     return module
 
 
-pgproc = _bench_module("pgproc")
+common = _bench_module("common")  # which puts harness/ on the import path
+common.use_tree_package()
+
+import argparse  # noqa: E402
+import asyncio  # noqa: E402
+import hashlib  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import random  # noqa: E402
+import socket  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from collections import Counter  # noqa: E402
+from contextlib import asynccontextmanager  # noqa: E402
+
+# at module level: FastAPI resolves the handlers' (string) annotations in this module's globals
+from fastapi import FastAPI, Request  # noqa: E402
+from fastapi.responses import JSONResponse, Response  # noqa: E402
+from psycopg_pool import AsyncConnectionPool  # noqa: E402
+
+from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation  # noqa: E402
 
 VARIANTS = ("none", "middleware", "recipe")
 LOADS = ("fresh", "replay30")
@@ -115,7 +113,6 @@ REPLAY_SHARE = 0.30
 # The handler's stand-in for the payment processor, in seconds (BENCH_PROCESSOR_DELAY: 0 shows
 # what the variants cost without a transaction held open across it).
 PROCESSOR_DELAY = float(os.environ.get("BENCH_PROCESSOR_DELAY", "0.002"))
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 # Server time per request: top-level statements only (what the application sends; a function's
 # inner statements are inside its call's time), utility statements (BEGIN, COMMIT) included.
 STATS_CONF = {"shared_preload_libraries": "pg_stat_statements",
@@ -390,23 +387,14 @@ def start_servers(dsn: str, pool_size: int, prepared: bool
     return servers
 
 
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process ``pid`` (Linux /proc; 0 elsewhere)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def pg_snapshot(pg: Any, stats: Any) -> dict[str, Any]:
     """The server's counters now: top-level statements' execution time and calls in the bench
     database (``stats`` is a connection to another database, so its own queries are not
     counted), the WAL insert position, and the CPU ticks and run-queue waits of all its
     processes."""
     ms, calls, lsn = stats.execute(PG_COUNTERS).fetchone()
-    return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": pgproc.server_cpu(pg),
-            "runqueue": pgproc.server_runqueue(pg)}
+    return {"exec_ms": ms, "calls": calls, "lsn": lsn, "cpu": common.server_cpu(pg),
+            "runqueue": common.server_runqueue(pg)}
 
 
 def pg_window(before: dict[str, Any], after: dict[str, Any], stats: Any,
@@ -415,11 +403,11 @@ def pg_window(before: dict[str, Any], after: dict[str, Any], stats: Any,
     n = max(requests, 1)
     wal = stats.execute("SELECT pg_wal_lsn_diff(%s::pg_lsn, %s::pg_lsn)::float8",
                         (after["lsn"], before["lsn"])).fetchone()[0]
-    ticks = pgproc.cpu_delta(before["cpu"], after["cpu"])
-    waited = pgproc.cpu_delta(before["runqueue"], after["runqueue"])
+    ticks = common.cpu_delta(before["cpu"], after["cpu"])
+    waited = common.cpu_delta(before["runqueue"], after["runqueue"])
     return {"stmt_ms": (after["exec_ms"] - before["exec_ms"]) / n,
             "stmts": (after["calls"] - before["calls"]) / n,
-            "pg_cpu_ms": ticks * 1000 / pgproc.clock_ticks() / n,
+            "pg_cpu_ms": ticks * 1000 / common.clock_ticks() / n,
             "pg_wait_ms": waited / 1e6 / n,
             "wal_bytes": wal / n}
 
@@ -430,7 +418,7 @@ def measure(conn: Any, stats: Any, pg: Any, variant: str, server: subprocess.Pop
     # truncation and warm-up are outside the server window: it opens when the client says
     # that its measuring starts (after --warmup) and closes when it stops counting
     conn.execute(TRUNCATE_SQL)
-    cpu_before = cpu_seconds(server.pid)
+    cpu_before = common.process_cpu_seconds(server.pid)
     cfg = {"port": port, "clients": clients, "load": load, "prefix": tag,
            "warmup": args.warmup, "seconds": args.seconds}
     client = subprocess.Popen([sys.executable, str(SELF), "--client", json.dumps(cfg)],
@@ -449,7 +437,8 @@ def measure(conn: Any, stats: Any, pg: Any, variant: str, server: subprocess.Pop
     result = json.loads(stdout)
     answers = sum(result["statuses"].values())
     # the uvicorn process's CPU per answer, warm-up included (the client's start-up is idle)
-    result["server_cpu_ms"] = (cpu_seconds(server.pid) - cpu_before) * 1000 / max(answers, 1)
+    result["server_cpu_ms"] = ((common.process_cpu_seconds(server.pid) - cpu_before) * 1000
+                               / max(answers, 1))
     # PostgreSQL's cost per answer counted in the window (the requests in flight at its two
     # edges are the same in number, steady state, so they roughly cancel)
     result.update(pg_window(snaps[0], snaps[1], stats, result["measured"]))
@@ -463,15 +452,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     import pgharness
 
     with pgharness.PgServer(pgharness.flavour_bindir("pg15"),
-                            extra_conf={**DURABLE, **STATS_CONF},
+                            extra_conf={**common.DURABLE, **STATS_CONF},
                             name="bench-http") as server:
         server.run_psql(server.dsn(), "CREATE EXTENSION pg_stat_statements")
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
         dsn = server.dsn("bench")
-        for migration in sorted((ROOT / "migrations").glob("*.sql")):
-            server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
-        server.run_psql(dsn, SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
-        version = " ".join(server.version.split()[:2])
+        common.install_engine(server, dsn)
+        server.run_psql(dsn, SCHEMA_SQL, args=common.PSQL_FILE)
+        version = common.version(server)
         print(f"{version}, default durability; pool {args.pool} per server; "
               f"ours {'with' if args.prepared else 'without'} prepared statements; "
               f"{args.rounds} round(s) x {args.seconds}s after {args.warmup}s warm-up", flush=True)
@@ -523,14 +511,8 @@ def summarise(clients: int, load: str, rounds: list[dict[str, Any]]) -> dict[str
         return sum(r[variant][field] for r in rounds)
 
     # per round, ours (middleware) over recipe and over none, for every per-request figure
-    ratios = {f"{field}_over_{base}": [r["middleware"][field] / r[base][field]
-                                       if r[base][field] else float("nan") for r in rounds]
-              for field in PER_REQUEST for base in ("recipe", "none")}
     return {
-        "ratios": ratios,
-        "ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
-        "per_request": {field: {v: statistics.median(r[v][field] for r in rounds)
-                                for v in VARIANTS} for field in PER_REQUEST},
+        **common.ratio_summary(rounds, "middleware", ("recipe", "none"), PER_REQUEST),
         "clients": clients, "load": load, "rounds": rounds,
         **{f"{v}_rps": statistics.median(r[v]["rps"] for r in rounds) for v in VARIANTS},
         "middleware_over_none": statistics.median(
@@ -559,11 +541,8 @@ def print_server_cost(results: list[dict[str, Any]]) -> None:
     for r in results:
         for field, label in labels.items():
             per, fmt = r["per_request"][field], ".3f" if field.endswith("_ms") else ".0f"
-            cells = []
-            for base in ("recipe", "none"):
-                key = f"{field}_over_{base}"
-                cells.append(", ".join(f"{x:.2f}" for x in r["ratios"][key])
-                             + f" (**{r['ratio_medians'][key]:.2f}**)")
+            cells = [common.rounds_cell(r["ratios"][f"{field}_over_{base}"])
+                     for base in ("recipe", "none")]
             print(f"| {r['load']}, {r['clients']} clients | {label} | {per['none']:{fmt}} "
                   f"| {per['recipe']:{fmt}} | {per['middleware']:{fmt}} | {cells[0]} "
                   f"| {cells[1]} |")
@@ -598,6 +577,7 @@ def main() -> int:
     if args.client:
         print(json.dumps(asyncio.run(load_client(json.loads(args.client)))))
         return 0
+    common.check_writable(parser, json=args.json)
     args.clients = [int(c) for c in args.clients.split(",")]
     args.loads = args.loads.split(",")
     for load in args.loads:
@@ -624,9 +604,9 @@ def main() -> int:
           f"took {time.monotonic() - started:.0f}s)")
     print_server_cost(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"seconds": args.seconds, "warmup": args.warmup, "rounds": args.rounds,
-             "pool": args.pool, "prepared": args.prepared, "results": results}, indent=2) + "\n")
+        common.write_json(args.json, {"seconds": args.seconds, "warmup": args.warmup,
+                                      "rounds": args.rounds, "pool": args.pool,
+                                      "prepared": args.prepared, "results": results})
     bad_dups = sum(r["duplicates"]["middleware"] + r["duplicates"]["recipe"] for r in results)
     if bad_dups:
         print(f"DUPLICATES: {bad_dups} ledger rows with a repeated key (middleware/recipe)")

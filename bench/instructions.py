@@ -35,7 +35,6 @@ Deterministic to a few hundred instructions per payment (two runs of the same tr
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -44,16 +43,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
+import common
+import operation as B  # bench/operation.py: the variants (it imports this tree's package)
+import psycopg
+from common import PSQL_FILE
 
-import operation as B  # noqa: E402 - bench/operation.py: the variants, its imports' paths
-import psycopg  # noqa: E402
-from partitions import unwritable  # noqa: E402
-
-import pg_idempotency as idem  # noqa: E402
-import pgharness  # noqa: E402
-from pg_idempotency import core  # noqa: E402
+import pg_idempotency as idem
+import pgharness
+from pg_idempotency import core
 
 WARMUP = 10
 
@@ -88,12 +85,11 @@ def measure(flavour: str, variants: list[str], payments: int,
             pgharness.PgServer(pgharness.flavour_bindir(flavour), name="instructions") as server:
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
         dsn = server.dsn("bench")
-        for migration in sorted((B.ROOT / "migrations").glob("*.sql")):
-            server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
-        server.run_psql(dsn, B.SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        common.install_engine(server, dsn)
+        server.run_psql(dsn, B.SCHEMA_SQL, args=PSQL_FILE)
         if extra_sql is not None:
-            server.run_psql(dsn, extra_sql, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
-        version = " ".join(server.version.split()[:2])
+            server.run_psql(dsn, extra_sql, args=PSQL_FILE)
+        version = common.version(server)
         subprocess.run([str(server.bindir / "pg_ctl"), "stop", "-D", str(server.datadir),
                         "-m", "fast", "-w"], check=True, capture_output=True)
         out = Path(tmp)
@@ -153,9 +149,7 @@ def main() -> int:
                         help="keep each variant's callgrind file of its longer run here "
                              "(SERVER-VARIANT.callgrind), to read with callgrind_annotate")
     args = parser.parse_args()
-    problem = unwritable(Path(args.json)) if args.json else None
-    if problem:
-        parser.error(f"--json {args.json}: {problem}")
+    common.check_writable(parser, json=args.json)
     variants = ["none", "recipe", "ours", "prepared"]
     if args.variants:
         variants = args.variants.split(",")
@@ -178,7 +172,7 @@ def main() -> int:
     print(f"\n(instructions per payment in its backend: the difference between {WARMUP} and "
           f"{WARMUP + args.payments} payments on two connections, over {args.payments})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"results": results}, indent=2) + "\n")
+        common.write_json(args.json, {"results": results})
     return 0
 
 

@@ -17,14 +17,11 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
+import common
 import psycopg
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
-
-import pgharness  # noqa: E402
+import pgharness
 
 FILL_SQL = """
 SELECT idempotency._create_partition('keys', date_bin('1 day', now(), '2000-01-01 00:00+00')
@@ -79,8 +76,7 @@ def main() -> int:
     with pgharness.PgServer(pgharness.flavour_bindir(args.server),
                             name=f"bench-metrics-{args.server}") as server:
         dsn = server.dsn("postgres")
-        for migration in sorted((ROOT / "migrations").glob("*.sql")):
-            server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+        common.install_engine(server, dsn)
         t0 = time.perf_counter()
         server.run_psql(dsn, FILL_SQL.replace("{rows}", str(args.rows))
                         .replace("{in_progress}", str(args.in_progress)))

@@ -22,7 +22,7 @@ ours, none, ...), so the machine's noise hits them alike. In each measurement th
 truncated, the threads warm up for --warmup seconds, then, over the next --seconds, we count
 the payments done and take:
 
-  server CPU  the CPU ticks of every process of the server (bench/pgproc.py, /proc: the
+  server CPU  the CPU ticks of every process of the server (bench/common.py, /proc: the
               backends, WAL writer, checkpointer ...) per payment
   app CPU     this Python process's CPU time (``time.process_time()``, every thread) per
               payment: the client library, the package and the loop; the loop's own share is
@@ -52,29 +52,24 @@ import argparse
 import hashlib
 import importlib.util
 import json
-import statistics
 import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-BENCH = ROOT / "bench"
-sys.path.insert(0, str(ROOT / "python"))
-sys.path.insert(0, str(ROOT / "harness"))
-sys.path.insert(0, str(BENCH))
+import common
+from common import DURABLE, PSQL_FILE, PSQL_ONE_TX
 
-import pgproc  # noqa: E402
+common.use_tree_package()
+
 import psycopg  # noqa: E402
-from partitions import unwritable  # noqa: E402
 from psycopg.types.json import Jsonb  # noqa: E402
 
 import pg_idempotency as idem  # noqa: E402
 import pgharness  # noqa: E402
 
 VARIANTS = ("none", "recipe", "ours")
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
 SCHEMA_SQL = """
 CREATE TABLE ledger (ref text, account text, amount bigint, currency text);
 CREATE TABLE recipe_keys (
@@ -190,10 +185,10 @@ def measure(server: Any, dsn: str, admin: psycopg.Connection[Any], variant: str,
         t.start()
     try:
         time.sleep(args.warmup)
-        n0, app0, pg0, t0 = sum(counts), time.process_time(), pgproc.server_cpu(server), \
+        n0, app0, pg0, t0 = sum(counts), time.process_time(), common.server_cpu(server), \
             time.perf_counter()
         time.sleep(args.seconds)
-        n1, app1, pg1, t1 = sum(counts), time.process_time(), pgproc.server_cpu(server), \
+        n1, app1, pg1, t1 = sum(counts), time.process_time(), common.server_cpu(server), \
             time.perf_counter()
     finally:
         stop.set()
@@ -207,7 +202,7 @@ def measure(server: Any, dsn: str, admin: psycopg.Connection[Any], variant: str,
     rows, distinct = admin.execute(CHECK_SQL).fetchone()
     return {
         "rps": n / (t1 - t0),
-        "pg_cpu_ms": pgproc.cpu_delta(pg0, pg1) * 1000 / pgproc.clock_ticks() / n,
+        "pg_cpu_ms": common.cpu_delta(pg0, pg1) * 1000 / common.clock_ticks() / n,
         "app_cpu_ms": (app1 - app0) * 1000 / n,
         "payments": sum(counts), "ledger_rows": rows, "ledger_distinct": distinct,
     }
@@ -218,14 +213,7 @@ FIELDS = ("pg_cpu_ms", "app_cpu_ms", "rps")
 
 def summarise(rounds: list[dict[str, dict[str, float]]]) -> dict[str, Any]:
     bases = [b for b in ("recipe", "none", "base") if b in rounds[0]]
-    ratios = {f"{field}_over_{base}": [r["ours"][field] / r[base][field] for r in rounds]
-              for field in FIELDS for base in bases}
-    return {
-        "rounds": rounds, "ratios": ratios,
-        "ratio_medians": {k: statistics.median(v) for k, v in ratios.items()},
-        "per_request": {field: {v: statistics.median(r[v][field] for r in rounds)
-                                for v in rounds[0]} for field in FIELDS},
-    }
+    return {"rounds": rounds, **common.ratio_summary(rounds, "ours", bases, FIELDS)}
 
 
 def main() -> int:
@@ -242,9 +230,7 @@ def main() -> int:
                         help="run this SQL file after the migrations, as the owner (an "
                         "experiment: a function replaced, say)")
     args = parser.parse_args()
-    problem = unwritable(Path(args.json)) if args.json else None
-    if problem:
-        parser.error(f"--json {args.json}: {problem}")
+    common.check_writable(parser, json=args.json)
     variants = VARIANTS
     if args.baseline:
         load_baseline(args.baseline)
@@ -254,13 +240,11 @@ def main() -> int:
                             name="bench-operation") as server:
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
         dsn = server.dsn("bench")
-        for migration in sorted((ROOT / "migrations").glob("*.sql")):
-            server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
-        server.run_psql(dsn, SCHEMA_SQL, args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        common.install_engine(server, dsn)
+        server.run_psql(dsn, SCHEMA_SQL, args=PSQL_FILE)
         if args.extra_sql:
-            server.run_psql(dsn, Path(args.extra_sql),
-                            args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
-        version = " ".join(server.version.split()[:2])
+            server.run_psql(dsn, Path(args.extra_sql), args=PSQL_ONE_TX)
+        version = common.version(server)
         print(f"{version}, default durability; {args.threads} threads, fresh keys; "
               f"{args.rounds} round(s) x {args.seconds:g}s after {args.warmup:g}s warm-up; "
               f"package {idem.__file__}"
@@ -291,8 +275,7 @@ def main() -> int:
     print("|---|---:|---:|---:|---|---|")
     for field, label in labels.items():
         per, fmt = result["per_request"][field], ".3f" if field != "rps" else ".0f"
-        cells = [", ".join(f"{x:.2f}" for x in result["ratios"][f"{field}_over_{base}"])
-                 + f" (**{result['ratio_medians'][f'{field}_over_{base}']:.2f}**)"
+        cells = [common.rounds_cell(result["ratios"][f"{field}_over_{base}"])
                  for base in ("recipe", "none")]
         print(f"| {label} | {per['none']:{fmt}} | {per['recipe']:{fmt}} | {per['ours']:{fmt}} "
               f"| {cells[0]} | {cells[1]} |")
@@ -301,12 +284,10 @@ def main() -> int:
         for field, label in labels.items():
             fmt = ".3f" if field != "rps" else ".0f"
             print(f"- {label}: base {result['per_request'][field]['base']:{fmt}}; "
-                  + ", ".join(f"{x:.2f}" for x in result["ratios"][f"{field}_over_base"])
-                  + f" (**{result['ratio_medians'][f'{field}_over_base']:.2f}**)")
+                  + common.rounds_cell(result["ratios"][f"{field}_over_base"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"server": version, "threads": args.threads, "seconds": args.seconds,
-             "warmup": args.warmup, **result}, indent=2) + "\n")
+        common.write_json(args.json, {"server": version, "threads": args.threads,
+                                      "seconds": args.seconds, "warmup": args.warmup, **result})
     if bad:
         print(f"LEDGER WRONG in {bad} measurement(s)")
         return 1

@@ -33,15 +33,12 @@ import os
 import statistics
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import common  # noqa: F401 - puts harness/ on the import path
+import psycopg
 
-import psycopg  # noqa: E402
-
-import pgharness  # noqa: E402
-from pg_idempotency.migrate import migrate  # noqa: E402
+import pgharness
+from pg_idempotency.migrate import migrate
 
 CONFIGS = ("absent", "api", "sdk")
 

@@ -36,24 +36,18 @@ makes the run CPU-bound and shows the functions' own cost; "durable" is PostgreS
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import re
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
+import common
 import psycopg
+from common import BENCH, DURABLE, ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import pgharness
 
-import pgharness  # noqa: E402
-
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
-ENGINE = ROOT / "bench" / "engine.pgbench"
+ENGINE = BENCH / "engine.pgbench"
 
 COUNT_SQL = {
     parent: f"SELECT count(*) FROM pg_inherits WHERE inhparent = 'idempotency.{parent}'::regclass"
@@ -118,15 +112,7 @@ FROM generate_series(1, %(rows)s::int) AS g
 
 
 def pgbench(server: pgharness.PgServer, db: str, seconds: int, clients: int) -> float:
-    out = subprocess.run(
-        [str(server.bindir / "pgbench"), "-n", "-M", "prepared", "-c", str(clients),
-         "-j", str(min(clients, 2)), "-T", str(seconds), "-f", str(ENGINE), server.dsn(db)],
-        capture_output=True, text=True, check=False,
-    )
-    match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
-    if out.returncode != 0 or not match:
-        raise SystemExit(f"pgbench failed on {db}:\n{out.stdout}\n{out.stderr}")
-    return float(match.group(1))
+    return common.pgbench(server, server.dsn(db), [ENGINE], seconds, clients, what=f" on {db}")
 
 
 UPTO = 9999  # --upto: install the migrations up to this number only (4: the engine before v2)
@@ -134,10 +120,7 @@ UPTO = 9999  # --upto: install the migrations up to this number only (4: the eng
 
 def install(server: pgharness.PgServer, db: str) -> None:
     server.run_psql(server.dsn(), f"CREATE DATABASE {db}")
-    for migration in sorted((ROOT / "migrations").glob("*.sql")):
-        if int(migration.name[:4]) > UPTO:
-            continue
-        server.run_psql(server.dsn(db), migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+    common.install_engine(server, server.dsn(db), upto=UPTO)
 
 
 def count(conn: psycopg.Connection, parent: str) -> int:
@@ -268,24 +251,6 @@ def big(server: pgharness.PgServer, label: str, args: argparse.Namespace) -> dic
             "ratio": statistics.median(r["ratio"] for r in rounds)}
 
 
-def unwritable(path: Path | None) -> str | None:
-    """Why this process could not write ``path`` (None if it can, or if no path is given):
-    checked before the run, so that a root-owned docs/ file does not end a ten-minute run."""
-    if path is None:
-        return None
-    try:
-        path = path.resolve()
-        if path.exists():
-            return None if os.access(path, os.W_OK) else "exists and is not writable by this user"
-        parent = path.parent
-        while not parent.exists():
-            parent = parent.parent
-    except OSError as exc:  # a directory on the way this user may not enter
-        return f"cannot be checked: {exc.strerror}"
-    return None if os.access(parent, os.W_OK | os.X_OK) else \
-        f"cannot be created: {parent} is not writable by this user (pass another path)"
-
-
 def plot(runs: list[dict], layouts: list[int], path: Path) -> None:
     import matplotlib
 
@@ -338,10 +303,7 @@ def main() -> int:
     parser.add_argument("--upto", type=int, default=9999,
                         help="install migrations up to this number only (4: before Engine v2)")
     args = parser.parse_args()
-    for option, path in (("--plot", args.plot), ("--json", args.json)):
-        problem = unwritable(path)
-        if problem:
-            parser.error(f"{option} {path}: {problem}")
+    common.check_writable(parser, plot=args.plot, json=args.json)
     global UPTO
     UPTO = args.upto
     args.partitions = [int(n) for n in args.partitions.split(",")]
@@ -359,7 +321,7 @@ def main() -> int:
             conf = DURABLE if mode == "durable" else {}
             with pgharness.PgServer(pgharness.flavour_bindir(flavour), extra_conf=conf,
                                     name=f"bench-partitions-{flavour}") as server:
-                version = " ".join(server.version.split()[:2])  # "PostgreSQL 15.18"
+                version = common.version(server)  # "PostgreSQL 15.18"
                 label = f"{flavour} {mode}"
                 run = {"flavour": flavour, "mode": mode, "version": version}
                 if flavour in servers:
@@ -407,9 +369,8 @@ def main() -> int:
     print(f"\ntotal run time {elapsed:.0f}s")
 
     if args.json:
-        args.json.write_text(json.dumps({
-            "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-            "elapsed_seconds": elapsed, "runs": runs}, indent=2) + "\n")
+        common.write_json(args.json, {"args": vars(args), "elapsed_seconds": elapsed,
+                                      "runs": runs})
         print(f"json: {args.json}")
     if flat:
         plot(flat, layouts, args.plot)

@@ -31,19 +31,14 @@ import statistics
 import sys
 import time
 import uuid
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import psycopg
+from common import DURABLE
 
-import psycopg  # noqa: E402
-
-import pg_idempotency as idem  # noqa: E402
-import pgharness  # noqa: E402
-from pg_idempotency import core  # noqa: E402
-from pg_idempotency.migrate import migrate  # noqa: E402
-
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
+import pg_idempotency as idem
+import pgharness
+from pg_idempotency import core
+from pg_idempotency.migrate import migrate
 
 
 def one(conn: psycopg.Connection, prepared: bool, key: str) -> float:

@@ -74,12 +74,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import common
+import psycopg
+from common import BENCH, PSQL_FILE, ROOT
 
-import psycopg  # noqa: E402
-
-import pgharness  # noqa: E402
+import pgharness
 
 CONF = {"shared_preload_libraries": "pg_stat_statements", "pg_stat_statements.track": "all",
         "track_functions": "all", "fsync": "off", "synchronous_commit": "off",
@@ -281,15 +280,13 @@ def main() -> int:
         if args.workload == "middleware":
             script.write_text(MIDDLEWARE)
         else:
-            script.write_text((ROOT / "bench" / f"{args.workload}.pgbench").read_text())
+            script.write_text((BENCH / f"{args.workload}.pgbench").read_text())
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
         db = server.dsn("bench")
-        for migration in sorted((ROOT / "migrations").glob("*.sql")):
-            server.run_psql(db, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+        common.install_engine(server, db)
         server.run_psql(db, "CREATE EXTENSION pg_stat_statements; CREATE TABLE bench_bare "
                         "(LIKE idempotency.keys INCLUDING DEFAULTS, PRIMARY KEY (scope, key))")
-        server.run_psql(db, ROOT / "bench" / "floor.sql",
-                        args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        server.run_psql(db, BENCH / "floor.sql", args=PSQL_FILE)
         if args.callgrind:
             server.run_psql(db, "CREATE TABLE bench_token (key text PRIMARY KEY, token bigint)")
             per = callgrind(server, Path(tmp), args.callgrind, args.callgrind_texts)
@@ -298,16 +295,9 @@ def main() -> int:
                   f" {args.callgrind_texts} statement texts)")
             return 0
 
-        def pgbench(seconds: int) -> str:
-            out = subprocess.run(
-                [str(server.bindir / "pgbench"), "-n", "-M", args.protocol, "-c", str(args.clients),
-                 "-j", str(min(args.clients, 2)), "-T", str(seconds),
-                 *(a for sc in scripts for a in ("-f", str(sc))), db],
-                capture_output=True, text=True, check=False)
-            match = re.search(r"tps = ([0-9.]+) \(without", out.stdout)
-            if out.returncode != 0 or not match:
-                raise SystemExit(f"pgbench failed:\n{out.stdout}\n{out.stderr}")
-            return match.group(1)
+        def pgbench(seconds: int) -> float:
+            return common.pgbench(server, db, scripts, seconds, args.clients,
+                                  mode=args.protocol)
 
         scripts = ablation_script(db, script) if args.ablate else [script]
         pgbench(2)  # warm up: compile the functions, fill the caches
@@ -319,7 +309,7 @@ def main() -> int:
             what = "ablation" if args.ablate else f"workload {args.workload}"
             print(f"{server.version.split(',')[0]}, {what}, {args.clients} "
                   f"clients, {args.seconds} s, -M {args.protocol}, "
-                  f"{'durable' if args.durable else 'fast'}: {float(tps):.0f} tps")
+                  f"{'durable' if args.durable else 'fast'}: {tps:.0f} tps")
             print("\nstatements (µs per call; toplevel f = inside a function):")
             for calls, us, top, query in conn.execute(STATEMENTS):
                 print(f"  {us:>7} µs  {calls:>7} calls  {'t' if top else 'f'}  {query}")

@@ -31,18 +31,14 @@ import argparse
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
+import common
 import psycopg
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import pgharness
 
-import pgharness  # noqa: E402
-
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on",
-           "max_wal_size": "4GB"}
+DURABLE = {**common.DURABLE, "max_wal_size": "4GB"}
 
 FILL_SQL = """
 SELECT idempotency._create_partition('keys', date_bin('1 day', now(), '2000-01-01 00:00+00')
@@ -143,8 +139,7 @@ def fresh_db(server: pgharness.PgServer, name: str, rows: int) -> str:
     with psycopg.connect(server.dsn(), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     dsn = server.dsn(name)
-    for migration in sorted((ROOT / "migrations").glob("*.sql")):
-        server.run_psql(dsn, migration, args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+    common.install_engine(server, dsn)
     started = time.monotonic()
     server.run_psql(dsn, FILL_SQL.replace("{rows}", str(rows)))
     print(f"  {name}: {rows} + {rows // 10} keys loaded in {time.monotonic() - started:.0f} s",

@@ -28,21 +28,14 @@ unpartitioned one.
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT / "harness"))
+import common
+from common import BENCH, DURABLE, PSQL_FILE
 
-import pgharness  # noqa: E402
-
-DURABLE = {"fsync": "on", "synchronous_commit": "on", "full_page_writes": "on"}
-
-BENCH = ROOT / "bench"
+import pgharness
 
 SETUP_SQL = """
 SELECT idempotency._premake(now() - interval '1 day');
@@ -60,16 +53,7 @@ VACUUM ANALYZE;
 
 
 def pgbench(server: pgharness.PgServer, script: Path, seconds: int, clients: int) -> float:
-    out = subprocess.run(
-        [str(server.bindir / "pgbench"), "-n", "-M", "prepared", "-c", str(clients),
-         "-j", str(min(clients, 2)), "-T", str(seconds), "-f", str(script),
-         server.dsn("bench")],
-        capture_output=True, text=True, check=False,
-    )
-    match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", out.stdout)
-    if out.returncode != 0 or not match:
-        raise SystemExit(f"pgbench failed:\n{out.stdout}\n{out.stderr}")
-    return float(match.group(1))
+    return common.pgbench(server, server.dsn("bench"), [script], seconds, clients)
 
 
 def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict:
@@ -77,12 +61,9 @@ def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict
     with pgharness.PgServer(pgharness.flavour_bindir(flavour), extra_conf=conf,
                             name=f"bench-{flavour}") as server:
         server.run_psql(server.dsn(), "CREATE DATABASE bench")
-        for migration in sorted((ROOT / "migrations").glob("*.sql")):
-            server.run_psql(server.dsn("bench"), migration,
-                            args=("-X", "-q", "-1", "-v", "ON_ERROR_STOP=1"))
+        common.install_engine(server, server.dsn("bench"))
         server.run_psql(server.dsn("bench"), SETUP_SQL.replace("{prefill}", str(args.prefill)))
-        server.run_psql(server.dsn("bench"), BENCH / "floor.sql",
-                        args=("-X", "-q", "-v", "ON_ERROR_STOP=1"))
+        server.run_psql(server.dsn("bench"), BENCH / "floor.sql", args=PSQL_FILE)
         scripts = {name: BENCH / f"{name}.pgbench" for name in ("bare", "floor", "engine")}
         for script in scripts.values():  # warm up every side once
             pgbench(server, script, 2, clients)
@@ -99,7 +80,7 @@ def run(flavour: str, mode: str, clients: int, args: argparse.Namespace) -> dict
             "engine_rounds": [r["engine"] / r["bare"] for r in rounds],
             "engine_over_floor_rounds": [r["engine"] / r["floor"] for r in rounds],
             "engine_over_floor": statistics.median(r["engine"] / r["floor"] for r in rounds),
-            "version": " ".join(server.version.split()[:2]),  # "PostgreSQL 15.18"
+            "version": common.version(server),
             "engine": statistics.median(r["engine"] / r["bare"] for r in rounds),
             "floor": statistics.median(r["floor"] / r["bare"] for r in rounds),
         }
@@ -115,6 +96,7 @@ def main() -> int:
     parser.add_argument("--prefill", type=int, default=200_000)
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
+    common.check_writable(parser, json=args.json)
     results = []
     for flavour in args.servers.split(","):
         for mode in args.modes.split(","):
@@ -131,9 +113,8 @@ def main() -> int:
     print("engine: claim + complete through idempotency.*; floor: the bare statements inside "
           "minimal PL/pgSQL functions (bench/floor.sql), the ceiling for any PL/pgSQL design.")
     if args.json:
-        args.json.write_text(json.dumps({"seconds": args.seconds, "rounds": args.rounds,
-                                         "prefill": args.prefill, "results": results},
-                                        indent=1) + "\n")
+        common.write_json(args.json, {"seconds": args.seconds, "rounds": args.rounds,
+                                      "prefill": args.prefill, "results": results})
     return 0
 
 

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def _bench_citus(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # its pgproc
+    monkeypatch.syspath_prepend(str(ROOT / "bench"))  # its common
     spec = importlib.util.spec_from_file_location("bench_citus", ROOT / "bench" / "citus.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
