@@ -14,8 +14,8 @@
 #   make lint    ruff + sqlfluff
 #   make bench   benchmarks (bench/operation.py, bench/instructions.py, bench/run.py, bench/partitions.py,
 #                bench/http.py, bench/retention.py, bench/citus.py), then bench/targets.py:
-#                issue 32's targets, met or not, and docs/benchmarks-cpu.png; results in
-#                docs/benchmarks.md.
+#                the cost targets of bench/targets.toml, met or not, the tracked figures, and
+#                docs/benchmarks-cpu.png; what each measures and how to read it: bench/README.md.
 #                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
 #                (it prints the commands when it is missing)
 #   make clean   remove .venv, build/ and caches
@@ -177,7 +177,7 @@ run: $(STAMP)
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
 	@# the scripts' figures go to build/bench/*.json (where the test user may write), and
-	@# bench/targets.py prints issue 32's targets from them at the end; a stale file is removed
+	@# bench/targets.py holds them to bench/targets.toml at the end; a stale file is removed
 	@# first so that a failed run shows as "not measured"
 	mkdir -p build/bench && rm -f build/bench/*.json && chown -R $(TEST_USER) build/bench 2>/dev/null || true
 	$(AS_TEST_USER) $(PY) bench/operation.py --json build/bench/operation.json

@@ -1,36 +1,27 @@
 #!/usr/bin/env python3
-"""Issue 32's targets (engine v4: the price of a request in CPU), each with its per-round
-figures, their median and met / not met.
+"""The benchmarks' figures against the cost targets of bench/targets.toml: each target with its
+per-round figures, their median and met / not met, then the tracked figures (not targets).
 
 Reads the --json files that the benchmarks wrote to build/bench/ (it measures nothing itself)
-and prints one table; with --plot it also draws the server and the app CPU per request by
+and prints two tables; with --plot it also draws the server and the app CPU per request by
 variant (none, recipe, ours), for the operation() pattern and for each HTTP load.
 
-  operation   bench/operation.py --json:  the README's operation() pattern / the recipe
-  http        bench/http.py --json:       the middleware / the recipe and / none
-  run         bench/run.py --json:        pgbench engine / floor, fast
-  citus       bench/citus.py --json:      what Citus adds to claim + complete and to the
-                                          recipe's two statements; workers' CPU / one server's
-  partitions  bench/partitions.py --json: 100 partitions / 5, 10 M keys / an empty install
+  operation    bench/operation.py --json:    the README's operation() pattern / the recipe
+  http         bench/http.py --json:         the middleware / the recipe and / none
+  run          bench/run.py --json:          pgbench engine / floor / bare
+  citus        bench/citus.py --json:        what Citus adds to claim + complete and to the
+                                             recipe's two statements; workers' CPU / one server's
+  partitions   bench/partitions.py --json:   100 partitions / 5, 10 M keys / an empty install
   instructions bench/instructions.py --json: a payment's CPU instructions in its backend
-                                          (context, not a target)
 
-    .venv/bin/python bench/targets.py [--dir build/bench] [--plot PATH]
+    .venv/bin/python bench/targets.py [--dir build/bench] [--targets bench/targets.toml]
+                                      [--plot PATH]
 
-The targets (issue 32; the engine v3 statement-time and WAL targets are retired, WAL and the
-statement time stay reported figures, printed as context):
-  1. server CPU per request ours / recipe <= 1.3: operation() and the middleware (fresh and
-     30% replays, 16 and 64 clients)
-  2. app CPU per request ours / recipe <= 1.2: the same (the Python process for operation(),
-     the uvicorn process for the middleware)
-  3. HTTP throughput ours / recipe >= 0.95 fresh, >= 1.05 with 30% replays; ours / none >= 0.6
-  4. pgbench engine / floor, fast >= 0.8
-  5. Citus: what Citus adds to claim + complete (all nodes' CPU - one server's) / what it adds
-     to the recipe's two statements <= 1.0; workers' CPU / one server's <= 3.0
-  6. kept: 100 partitions and 10 M stored keys >= 0.9 of the small install
-
-A missing file is reported as "not measured" for its targets (exit status 0 all the same:
-this is a report, the benchmarks are not tests).
+bench/targets.toml says which figures are targets and with what limit, and which are tracked
+(with the threshold some were once targets with, shown beside them and not judged); the figures
+themselves, their names and how each is read from the JSON, are FIGURES below. A target whose
+file is missing is reported as "not measured"; a tracked figure whose file is missing is left
+out (exit status 0 all the same: this is a report, the benchmarks are not tests).
 """
 
 from __future__ import annotations
@@ -39,161 +30,246 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the backport, which pytest depends on there
+    import tomli as tomllib
+
+from common import ROOT, rounds_text
+
 OUT = ROOT / "build" / "bench"
+TARGETS = ROOT / "bench" / "targets.toml"
 FILES = ("operation", "http", "run", "citus", "partitions", "instructions")
 
-Row = tuple[str, str, str, str]
+Data = dict[str, Any]
+#: A figure as rows: (what and where, the per-round values).
+Rows = list[tuple[str, list[float]]]
 
 
-def load(path: Path) -> dict[str, Any] | None:
+def load(path: Path) -> Data | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def figure(name: str, rounds: list[float]) -> tuple[str, str, str]:
-    """A figure's name, its per-round values and their median, as table cells."""
-    return (name, ", ".join(f"{x:.2f}" for x in rounds), f"**{statistics.median(rounds):.2f}**")
-
-
-def row(number: int, target: str, rounds: list[float], op: str, limit: float) -> Row:
-    med = statistics.median(rounds)
-    met = med <= limit if op == "<=" else med >= limit
-    name, cells, median = figure(f"{number}. {target}", rounds)
-    return (name, cells, median, f"{op} {limit:g}: {'met' if met else 'NOT met'}")
-
-
-def missing(number: int, what: str, path: Path) -> Row:
-    return (f"{number}. {what}", "-", "-", f"not measured (no {path})")
-
-
-def ratio(rounds: list[dict[str, Any]], field: str, ours: str, base: str) -> list[float]:
+def ratio(rounds: list[Data], field: str, ours: str, base: str) -> list[float]:
     return [r[ours][field] / r[base][field] if r[base][field] else float("nan") for r in rounds]
 
 
-def operation_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
-    if data is None:
-        return [missing(1, "server CPU ours/recipe (operation())", path),
-                missing(2, "app CPU ours/recipe (operation())", path)]
-    r = data["ratios"]
-    return [row(1, f"server CPU ours/recipe (operation(), {data['threads']} threads)",
-                r["pg_cpu_ms_over_recipe"], "<=", 1.3),
-            row(2, f"app CPU ours/recipe (operation(), {data['threads']} threads)",
-                r["app_cpu_ms_over_recipe"], "<=", 1.2)]
+def _diff(a: list[float], b: list[float]) -> list[float]:
+    return [x - y for x, y in zip(a, b, strict=True)]
 
 
-def http_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
-    if data is None:
-        return [missing(n, f"{what} (HTTP)", path)
-                for n, what in ((1, "server CPU ours/recipe"), (2, "app CPU ours/recipe"),
-                                (3, "throughput ours/recipe and ours/none"))]
-    rows = []
-    for r in data["results"]:
-        where = f"middleware, {r['load']}, {r['clients']} clients"
-        rows.append(row(1, f"server CPU ours/recipe ({where})",
-                        r["ratios"]["pg_cpu_ms_over_recipe"], "<=", 1.3))
-        rows.append(row(2, f"app CPU ours/recipe ({where}; uvicorn)",
-                        ratio(r["rounds"], "server_cpu_ms", "middleware", "recipe"), "<=", 1.2))
-    for r in data["results"]:
-        where = f"{r['load']}, {r['clients']} clients"
-        rows.append(row(3, f"throughput ours/recipe ({where})", r["ratios"]["rps_over_recipe"],
-                        ">=", 0.95 if r["load"] == "fresh" else 1.05))
-        rows.append(row(3, f"throughput ours/none ({where})", r["ratios"]["rps_over_none"],
-                        ">=", 0.6))
+def _div(a: list[float], b: list[float]) -> list[float]:
+    return [x / y if y else float("nan") for x, y in zip(a, b, strict=True)]
+
+
+# -- the figures: name -> (file, how its rows are read) -------------------------------------------
+
+def _operation(field: str, what: str) -> Callable[[Data], Rows]:
+    return lambda d: [(f"{what} (operation(), {d['threads']} threads)",
+                       d["ratios"][f"{field}_over_recipe"])]
+
+
+def _http(what: str, get: Callable[[Data], list[float] | None], who: str = "") -> \
+        Callable[[Data], Rows]:
+    def rows(d: Data) -> Rows:
+        out = []
+        for r in d["results"]:
+            values = get(r)
+            if values is not None:
+                out.append((f"{what} ({who}{r['load']}, {r['clients']} clients)", values))
+        return out
     return rows
 
 
-def run_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
-    if data is None:
-        return [missing(4, "pgbench engine/floor fast", path)]
-    return [row(4, f"pgbench engine/floor fast ({r['version']}, {r['clients']} clients)",
-                r["engine_over_floor_rounds"], ">=", 0.8)
-            for r in data["results"] if r["mode"] == "fast"]
+def _instructions(d: Data) -> Rows:
+    out = []
+    for r in d.get("results", []):
+        per = r["per_payment"]
+        out.append((f"operation() backend instructions ours/recipe ({r['server']}: "
+                    f"{per['ours']:,.0f} / {per['recipe']:,.0f}; one deterministic count)",
+                    [per["ours"] / per["recipe"]]))
+    return out
 
 
-def citus_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
-    if data is None or "recipe_cpu_us_per_pair" not in (data or {}):
-        why = path if data is None else f"{path} without the recipe's figures"
-        return [missing(5, "Citus", Path(str(why)))]
-    ours, recipe = data["cpu_us_per_pair"], data["recipe_cpu_us_per_pair"]
-    added = [a - s for a, s in zip(ours["all nodes"], ours["single server"], strict=True)]
-    recipe_added = [a - s for a, s in zip(recipe["all nodes"], recipe["single server"],
-                                          strict=True)]
-    return [
-        row(5, "Citus: what it adds to claim + complete / to the recipe's two statements "
-               "(all nodes' CPU - one server's, through the coordinator)",
-            [a / b if b else float("nan") for a, b in zip(added, recipe_added, strict=True)],
-            "<=", 1.0),
-        row(5, "Citus: workers' CPU per delegated claim + complete / one server's",
-            [w / s for w, s in zip(ours["workers (sum)"], ours["single server"], strict=True)],
-            "<=", 3.0),
-    ]
+def _citus(what: str, get: Callable[[Data, Data], list[float]]) -> Callable[[Data], Rows]:
+    def rows(d: Data) -> Rows:
+        if "recipe_cpu_us_per_pair" not in d:  # a file from before the recipe was measured
+            return []
+        return [(what, get(d["cpu_us_per_pair"], d["recipe_cpu_us_per_pair"]))]
+    return rows
 
 
-def partitions_rows(data: dict[str, Any] | None, path: Path) -> list[Row]:
-    if data is None:
-        return [missing(6, "kept: 100 partitions and 10 M keys", path)]
-    rows = []
-    for run in data["runs"]:
+def _flatness(d: Data) -> Rows:
+    out = []
+    for run in d["runs"]:
         flat = run.get("flatness", [])
         most = max((r["partitions"] for r in flat), default=None)
         fewest = min((r["partitions"] for r in flat), default=None)
         for r in flat:
             if r["partitions"] == most:
                 tombstones = "on" if r["tombstones"] else "off"
-                rows.append(row(6, f"kept: {most} partitions / {fewest} ({run['version']}, "
-                                   f"{run['mode']}, tombstones {tombstones})",
-                                [x["ratio"] for x in r["rounds"]], ">=", 0.9))
-        if "big" in run:
-            big = run["big"]
-            rows.append(row(6, f"kept: {big['keys']:,} keys / an empty install ({run['version']}, "
-                               f"{run['mode']})", [x["ratio"] for x in big["rounds"]], ">=", 0.9))
-    return rows
+                out.append((f"kept: {most} partitions / {fewest} ({run['version']}, "
+                            f"{run['mode']}, tombstones {tombstones})",
+                            [x["ratio"] for x in r["rounds"]]))
+    return out
 
 
-def context_rows(op: dict[str, Any] | None, http: dict[str, Any] | None,
-                 run: dict[str, Any] | None, citus: dict[str, Any] | None,
-                 instructions: dict[str, Any] | None = None) -> list[tuple[str, ...]]:
-    """Figures that are not targets: throughput of operation() against the recipe, a
-    payment's instructions in its backend (ours / recipe: one count, deterministic, so its
-    "rounds" cell is the count itself), the retired statement-time and WAL ratios, the
-    server's run-queue wait per HTTP request, what Citus adds in µs, and pgbench's floor /
-    bare."""
-    rows = []
-    if op is not None:
-        rows.append(figure(f"operation() payments/s ours/recipe ({op['threads']} threads)",
-                           op["ratios"]["rps_over_recipe"]))
-    for r in (instructions or {}).get("results", []):
-        per = r["per_payment"]
-        rows.append(figure(f"operation() backend instructions ours/recipe ({r['server']}: "
-                           f"{per['ours']:,.0f} / {per['recipe']:,.0f})",
-                           [per["ours"] / per["recipe"]]))
-    for r in (http or {}).get("results", []):
-        where = f"{r['load']}, {r['clients']} clients"
-        rows.append(figure(f"HTTP statement time ours/recipe ({where})",
-                           r["ratios"]["stmt_ms_over_recipe"]))
-        rows.append(figure(f"HTTP WAL bytes ours/recipe ({where})",
-                           r["ratios"]["wal_bytes_over_recipe"]))
-        if "pg_wait_ms_over_recipe" in r["ratios"]:
-            rows.append(figure(f"HTTP PG run-queue wait ours/recipe ({where})",
-                               r["ratios"]["pg_wait_ms_over_recipe"]))
-    if citus is not None and "recipe_cpu_us_per_pair" in citus:
-        ours, recipe = citus["cpu_us_per_pair"], citus["recipe_cpu_us_per_pair"]
-        rows.append(figure("Citus adds to claim + complete, µs",
-                           [a - s for a, s in zip(ours["all nodes"], ours["single server"],
-                                                  strict=True)]))
-        rows.append(figure("Citus adds to the recipe's pair, µs",
-                           [a - s for a, s in zip(recipe["all nodes"], recipe["single server"],
-                                                  strict=True)]))
-        rows.append(figure("Citus: workers' CPU per recipe pair / one server's",
-                           [w / s for w, s in zip(recipe["workers (sum)"],
-                                                  recipe["single server"], strict=True)]))
-    rows += [figure(f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} clients)",
-                    [rd["floor"] / rd["bare"] for rd in r["rounds"]])
-             for r in (run or {}).get("results", [])]
-    return rows
+def _stored_keys(d: Data) -> Rows:
+    return [(f"kept: {run['big']['keys']:,} keys / an empty install ({run['version']}, "
+             f"{run['mode']})", [x["ratio"] for x in run["big"]["rounds"]])
+            for run in d["runs"] if "big" in run]
+
+
+FIGURES: dict[str, tuple[str, Callable[[Data], Rows]]] = {
+    "operation.server_cpu_over_recipe": (
+        "operation", _operation("pg_cpu_ms", "server CPU ours/recipe")),
+    "operation.app_cpu_over_recipe": (
+        "operation", _operation("app_cpu_ms", "app CPU ours/recipe")),
+    "operation.rps_over_recipe": ("operation", _operation("rps", "payments/s ours/recipe")),
+    "instructions.ours_over_recipe": ("instructions", _instructions),
+    "http.server_cpu_over_recipe": ("http", _http(
+        "HTTP server CPU ours/recipe", lambda r: r["ratios"]["pg_cpu_ms_over_recipe"],
+        "middleware, ")),
+    "http.app_cpu_over_recipe": ("http", _http(
+        "HTTP app CPU ours/recipe", lambda r: ratio(r["rounds"], "server_cpu_ms", "middleware",
+                                                     "recipe"), "uvicorn, ")),
+    "http.rps_over_recipe": ("http", _http(
+        "HTTP throughput ours/recipe", lambda r: r["ratios"]["rps_over_recipe"])),
+    "http.rps_over_none": ("http", _http(
+        "HTTP throughput ours/none", lambda r: r["ratios"]["rps_over_none"])),
+    "http.stmt_over_recipe": ("http", _http(
+        "HTTP statement time ours/recipe", lambda r: r["ratios"]["stmt_ms_over_recipe"])),
+    "http.wal_over_recipe": ("http", _http(
+        "HTTP WAL bytes ours/recipe", lambda r: r["ratios"]["wal_bytes_over_recipe"])),
+    "http.wait_over_recipe": ("http", _http(
+        "HTTP PG run-queue wait ours/recipe",
+        lambda r: r["ratios"].get("pg_wait_ms_over_recipe"))),
+    "run.engine_over_floor_fast": ("run", lambda d: [
+        (f"pgbench engine/floor fast ({r['version']}, {r['clients']} clients)",
+         r["engine_over_floor_rounds"]) for r in d["results"] if r["mode"] == "fast"]),
+    "run.floor_over_bare": ("run", lambda d: [
+        (f"pgbench floor/bare {r['mode']} ({r['version']}, {r['clients']} clients)",
+         [rd["floor"] / rd["bare"] for rd in r["rounds"]]) for r in d["results"]]),
+    "citus.added_over_recipe_added": ("citus", _citus(
+        "Citus: what it adds to claim + complete / to the recipe's two statements (all nodes' "
+        "CPU - one server's, through the coordinator)",
+        lambda o, r: _div(_diff(o["all nodes"], o["single server"]),
+                          _diff(r["all nodes"], r["single server"])))),
+    "citus.workers_over_single": ("citus", _citus(
+        "Citus: workers' CPU per delegated claim + complete / one server's",
+        lambda o, r: _div(o["workers (sum)"], o["single server"]))),
+    "citus.added_us": ("citus", _citus(
+        "Citus adds to claim + complete, µs",
+        lambda o, r: _diff(o["all nodes"], o["single server"]))),
+    "citus.recipe_added_us": ("citus", _citus(
+        "Citus adds to the recipe's pair, µs",
+        lambda o, r: _diff(r["all nodes"], r["single server"]))),
+    "citus.recipe_workers_over_single": ("citus", _citus(
+        "Citus: workers' CPU per recipe pair / one server's",
+        lambda o, r: _div(r["workers (sum)"], r["single server"]))),
+    "partitions.flatness": ("partitions", _flatness),
+    "partitions.stored_keys": ("partitions", _stored_keys),
+}
+
+
+#: What each figure is, for a target that was not measured.
+TITLES = {
+    "operation.server_cpu_over_recipe": "server CPU ours/recipe (operation())",
+    "operation.app_cpu_over_recipe": "app CPU ours/recipe (operation())",
+    "http.rps_over_recipe": "HTTP throughput ours/recipe",
+}
+
+
+# -- the report ----------------------------------------------------------------------------------
+
+def read_targets(path: Path) -> dict[str, list[dict[str, Any]]]:
+    """bench/targets.toml, checked: every figure known, every target with an op and a limit."""
+    spec = tomllib.loads(path.read_text())
+    for kind in ("target", "tracked"):
+        for entry in spec.get(kind, []):
+            if entry.get("figure") not in FIGURES:
+                raise SystemExit(f"{path}: unknown figure {entry.get('figure')!r} "
+                                 f"(known: {', '.join(FIGURES)})")
+    for entry in spec.get("target", []):
+        if entry.get("op") not in ("<=", ">=") or not isinstance(entry.get("limit"),
+                                                                  (int, float)):
+            raise SystemExit(f"{path}: target {entry['figure']} needs op (<= or >=) and a limit")
+    for entry in spec.get("tracked", []):
+        former = entry.get("former")
+        if former is not None and _threshold(former) is None:
+            raise SystemExit(f"{path}: tracked {entry['figure']}: former must read like "
+                             f"'<= 1.3' or '>= 0.9', not {former!r}")
+    return {"target": spec.get("target", []), "tracked": spec.get("tracked", [])}
+
+
+def _threshold(text: str) -> tuple[str, float] | None:
+    op, _, limit = text.strip().partition(" ")
+    try:
+        return (op, float(limit)) if op in ("<=", ">=") else None
+    except ValueError:
+        return None
+
+
+def _holds(value: float, op: str, limit: float) -> bool:
+    return value <= limit if op == "<=" else value >= limit
+
+
+def _sign(op: str) -> str:
+    return "≤" if op == "<=" else "≥"
+
+
+def report(spec: dict[str, list[dict[str, Any]]], data: dict[str, Data | None],
+           paths: dict[str, Path]) -> None:
+    print("\nTargets: per-round figures, their median, the target\n")
+    print("| target | rounds | median | target |")
+    print("|---|---|---:|---|")
+    met = measured = missing = 0
+    for number, entry in enumerate(spec["target"], 1):
+        source, rows = FIGURES[entry["figure"]]
+        op, limit = entry["op"], entry["limit"]
+        if data[source] is None or not rows(data[source]):
+            missing += 1
+            print(f"| {number}. {TITLES.get(entry['figure'], entry['figure'])} | - | - | "
+                  f"not measured (no figures in {paths[source]}) |")
+            continue
+        for what, values in rows(data[source]):
+            median = statistics.median(values)
+            ok = _holds(median, op, limit)
+            met += ok
+            measured += 1
+            print(f"| {number}. {what} | {rounds_text(values)} | **{median:.2f}** | "
+                  f"{_sign(op)} {limit:g}: {'met' if ok else 'NOT met'} |")
+    print(f"\n{met} of {measured} measured figures meet their target"
+          + (f" ({missing} target(s) not measured)" if missing else ""))
+
+    tracked = []
+    for entry in spec["tracked"]:
+        source, rows = FIGURES[entry["figure"]]
+        if data[source] is None:
+            continue
+        former = _threshold(entry["former"]) if entry.get("former") else None
+        for what, values in rows(data[source]):
+            median = statistics.median(values)
+            note = ""
+            if former is not None:
+                op, limit = former
+                note = (f"{_sign(op)} {limit:g}: "
+                        f"{'within' if _holds(median, op, limit) else 'outside'}")
+            tracked.append((what, rounds_text(values), f"**{median:.2f}**", note))
+    if tracked:
+        print("\nTracked figures, not targets: per-round figures, their median, and where a "
+              "figure once had a threshold, that threshold (not judged)\n")
+        print("| figure | rounds | median | former threshold |")
+        print("|---|---|---:|---|")
+        for row in tracked:
+            print("| " + " | ".join(row) + " |")
+    absent = [str(paths[name]) for name in FILES if data[name] is None]
+    if absent:
+        print(f"\nnot found: {', '.join(absent)}")
 
 
 VARIANTS = (("none", "no idempotency"), ("recipe", "hand-written recipe"), ("ours", "ours"))
@@ -249,33 +325,14 @@ def main() -> int:
     parser.add_argument("--dir", type=Path, default=OUT, help="where the --json files are")
     for name in FILES:
         parser.add_argument(f"--{name}", type=Path, help=f"{name}.json elsewhere")
+    parser.add_argument("--targets", type=Path, default=TARGETS,
+                        help="the targets and tracked figures (TOML)")
     parser.add_argument("--plot", type=Path, help="draw CPU per request by variant here")
     args = parser.parse_args()
+    spec = read_targets(args.targets)
     paths = {name: getattr(args, name) or args.dir / f"{name}.json" for name in FILES}
     data = {name: load(path) for name, path in paths.items()}
-    rows = (operation_rows(data["operation"], paths["operation"])
-            + http_rows(data["http"], paths["http"])
-            + run_rows(data["run"], paths["run"])
-            + citus_rows(data["citus"], paths["citus"])
-            + partitions_rows(data["partitions"], paths["partitions"]))
-    rows.sort(key=lambda r: int(r[0].split(".", 1)[0]))  # by target number, stable
-    print("\nIssue 32 targets (engine v4): per-round figures, their median, the target\n")
-    print("| target | rounds | median | target |")
-    print("|---|---|---:|---|")
-    for r in rows:
-        print("| " + " | ".join(r) + " |")
-    met = sum(r[3].endswith(": met") for r in rows)
-    measured = sum(not r[3].startswith("not measured") for r in rows)
-    print(f"\n{met} of {measured} measured figures meet their target "
-          f"({len(rows) - measured} not measured)")
-    context = context_rows(data["operation"], data["http"], data["run"], data["citus"],
-                           data["instructions"])
-    if context:
-        print("\nContext, not targets: per-round figures and their median\n")
-        print("| figure | rounds | median |")
-        print("|---|---|---:|")
-        for r in context:
-            print("| " + " | ".join(r) + " |")
+    report(spec, data, paths)
     if args.plot:
         plot(data["operation"], data["http"], args.plot)
     return 0
