@@ -74,7 +74,7 @@ DISTRIBUTE_LEDGER = ("SELECT create_distributed_table('bench_ledger', 'scope', "
                      "colocate_with => 'idempotency.keys')")
 LEDGER_INSERT = "INSERT INTO bench_ledger (scope, key, amount) VALUES (%s, %s, 50)"
 
-# The recipe a user writes instead (issue 32, target 5): a key table of their own, distributed
+# The recipe a user writes instead: a key table of their own, distributed
 # by tenant (the scope) and co-located with idempotency.keys, written by the client's two
 # statements (INSERT ... ON CONFLICT DO NOTHING RETURNING, UPDATE with the answer). created_at
 # counts the pairs made in a measuring window, as claim's does for ours.
@@ -371,8 +371,8 @@ def pgbench_round(entries: list[pgharness.PgServer], servers: dict[str, pgharnes
     # --random-seed=rand: pgbench seeds its random keys from the time in microseconds by
     # default, and two processes started together can read the same microsecond; their clients
     # then draw the same scope and key in the same order, and the second claim of each key
-    # answers in_progress with no lease token (the one warm-up that failed, see
-    # docs/benchmarks.md). A seed from a strong source keeps each process's keys its own.
+    # answers in_progress with no lease token (a warm-up failed so once; tests/
+    # test_bench_citus.py). A seed from a strong source keeps each process's keys its own.
     procs = [subprocess.Popen(
         [str(entry.bindir / "pgbench"), "-n", "-M", "prepared", "--random-seed=rand",
          "-c", str(clients // len(entries)), "-j", str(max(2 // len(entries), 1)),
@@ -549,7 +549,7 @@ def summarise(rounds: list[dict], cluster: CitusCluster, args, about: str) -> di
             "coordinator, clients on workers": per_pair(rounds, "workers", coord),
         },
         # The recipe's INSERT ... ON CONFLICT + UPDATE on its own table distributed by tenant,
-        # through the coordinator, against the same on one server (issue 32, target 5).
+        # through the coordinator, against the same on one server.
         "recipe_cpu_us_per_pair": {
             "single server": per_pair(rounds, "recipe single", ["single"]),
             "all nodes": per_pair(rounds, "recipe cluster", [*coord, *workers]),

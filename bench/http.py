@@ -13,7 +13,7 @@ PostgreSQL 15 server with the default durability (fsync, synchronous_commit, ful
   middleware  pg_idempotency.asgi.IdempotencyMiddleware (Policy.REQUIRED, wait=0): the handler
               inserts on ``get_operation(request).conn``; the response is stored in the same
               commit
-  recipe      issue 32's recipe, as a user writes it with psycopg's defaults (prepared after 5
+  recipe      the hand-written recipe, as a user writes it with psycopg's defaults (prepared after 5
               executions), on one pooled connection in autocommit for the whole request: a
               ``recipe_keys`` table; INSERT ... ON CONFLICT DO NOTHING RETURNING on its own
               (autocommit: one statement, one round trip); for a new key the work, then BEGIN,
@@ -502,7 +502,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         return results
 
 
-# server_cpu_ms is the uvicorn process's CPU per answer (the app's, issue 32's target 2)
+# server_cpu_ms is the uvicorn process's CPU per answer (the app CPU of bench/targets.toml)
 PER_REQUEST = ("rps", "stmt_ms", "pg_cpu_ms", "pg_wait_ms", "wal_bytes", "server_cpu_ms")
 
 

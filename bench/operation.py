@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Benchmark: the README's ``operation()`` pattern against the recipe a user writes with
-psycopg's defaults, and against no idempotency (issue 32, targets 1 and 2).
+psycopg's defaults, and against no idempotency.
 
 Every variant runs --threads threads in one Python process, each with a connection of its own
 (autocommit, psycopg's default ``prepare_threshold``), in a loop of payments: a small payment

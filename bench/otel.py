@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: what the OpenTelemetry hooks cost per claim + complete (issue 23, item 3).
+"""Benchmark: what the OpenTelemetry hooks cost per claim + complete.
 
 Three configurations, each in a fresh Python process, interleaved round by round (the order
 rotates) so machine noise hits them alike:

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Benchmark: what it costs that the package never prepares its statements (issue 23, item 8).
+"""Benchmark: what it costs that the package never prepares its statements.
 
 claim + complete through ``operation()`` (claim in autocommit; complete and COMMIT in one
 pipeline), one connection with psycopg's default ``prepare_threshold`` (5), two ways:
