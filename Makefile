@@ -185,8 +185,7 @@ bench: setup
 	$(AS_TEST_USER) $(PY) bench/instructions.py --json build/bench/instructions.json
 	$(AS_TEST_USER) $(PY) bench/run.py --clients 4,8 --json build/bench/run.json
 	@# the plots are written where the test user may write, then put in docs/
-	@# five rounds where three gave medians of noise on a loaded machine (a PG 18 partitions
-	@# figure of rounds 1.00, 0.25, 3.10; docs/benchmarks.md)
+	@# five rounds: on a loaded machine three gave a median of noise
 	$(AS_TEST_USER) $(PY) bench/partitions.py --rounds 5 --plot build/benchmarks-partitions.png \
 		--json build/bench/partitions.json
 	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
