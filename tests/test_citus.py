@@ -1133,10 +1133,10 @@ def test_prepared_statements_opt_in_through_the_coordinator(
     from sqlalchemy import create_engine
     from sqlalchemy.orm import Session
 
-    from pg_idempotency import core
+    from pg_idempotency import _exec
     from pg_idempotency.sqlalchemy import operation as sa_operation
 
-    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    monkeypatch.setattr(_exec, "PREPARE", False)  # restored after the test
     idem.allow_prepared_statements()
     request_role = citus_roles[0]
     dsn = citus.coordinator.dsn(citus.db, user=request_role)

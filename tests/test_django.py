@@ -556,9 +556,9 @@ def test_prepared_statements_opt_in_follows_django_options(plain_db: str,
     stay unprepared; with OPTIONS server_side_binding and prepare_threshold 5 they are
     prepared, and replays still answer the same."""
     import pg_idempotency
-    from pg_idempotency import core
+    from pg_idempotency import _exec
 
-    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    monkeypatch.setattr(_exec, "PREPARE", False)  # restored after the test
     pg_idempotency.allow_prepared_statements()
     prepared = "SELECT statement FROM pg_prepared_statements"
     client = Client()

@@ -94,9 +94,9 @@ def _outcome(fn: Any, value: Any) -> Any:
 @settings(max_examples=EXAMPLES * 3, deadline=None, derandomize=True, database=None)
 @given(value=py_values)
 def test_fast_paths_give_the_slow_paths_answer(value: Any) -> None:
-    """canonical_json and complete()'s body (core._json_body) take the C encoder when they can
+    """canonical_json and complete()'s body (_results.json_body) take the C encoder when they can
     vouch for it; every Python value gives what the pure-Python walk gives, text or error."""
-    from pg_idempotency.core import _json_body, json_bytes
+    from pg_idempotency._results import json_body, json_bytes
     from pg_idempotency.fingerprint import _canonical
 
     slow = _outcome(lambda v: _canonical(v, "idempotency.canonical_json", "value"), value)
@@ -107,13 +107,13 @@ def test_fast_paths_give_the_slow_paths_answer(value: Any) -> None:
         data = json_bytes(v)
         return data, json.loads(data)
 
-    assert _outcome(_json_body, value) == _outcome(body_slow, value), value
+    assert _outcome(json_body, value) == _outcome(body_slow, value), value
 
 
 def test_fast_paths_nesting_and_wide_values() -> None:
     """At the nesting limit and past it, and a value with more brackets than the limit but
     shallow: the same answers as the slow walk."""
-    from pg_idempotency.core import _json_body
+    from pg_idempotency._results import json_body
     from pg_idempotency.fingerprint import MAX_DEPTH, _canonical
 
     deep: Any = 1
@@ -122,6 +122,6 @@ def test_fast_paths_nesting_and_wide_values() -> None:
     for value in (deep, [deep], {"items": [{"n": i} for i in range(300)]}):
         slow = _outcome(lambda v: _canonical(v, "idempotency.canonical_json", "value"), value)
         assert _outcome(canonical_json, value) == slow
-        assert _outcome(lambda v: _json_body(v)[1], value) == _outcome(
+        assert _outcome(lambda v: json_body(v)[1], value) == _outcome(
             lambda v: (_canonical(v, "idempotency.canonical_json", "value"),
                        json.loads(json.dumps(v)))[1], value)

@@ -92,7 +92,7 @@ def test_a_disabled_logger_formats_nothing(db: str, caplog: pytest.LogCaptureFix
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     caplog.set_level(logging.WARNING, logger="pg_idempotency")
     calls: list[str] = []
-    monkeypatch.setattr(idem.core, "key_hash", lambda s, k: calls.append(k) or "x")
+    monkeypatch.setattr(idem._log, "key_hash", lambda s, k: calls.append(k) or "x")
     with psycopg.connect(db, autocommit=True) as conn:
         with idem.operation(conn, "pay", "quiet", {}) as op:
             op.complete(200, None)

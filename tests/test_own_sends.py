@@ -1,4 +1,4 @@
-"""The statements the package binds and sends itself (core._bound, core._literal_query: claim in
+"""The statements the package binds and sends itself (_wire.bind, _wire.literal_query: claim in
 binary, complete + COMMIT as one simple Query; issue 32) against what psycopg would send and
 what the server reads back, on real servers.
 
@@ -13,7 +13,7 @@ what the server reads back, on real servers.
   before, by psycopg.
 - The short complete (its time as the server prints it in DateStyle ISO) goes only while the
   session's DateStyle is ISO, a SET LOCAL in the business transaction included, and
-  core._iso_time reads the server's own text of instants in zones with offsets in minutes and
+  _wire.iso_time reads the server's own text of instants in zones with offsets in minutes and
   seconds.
 """
 
@@ -31,7 +31,7 @@ from psycopg.types.json import Jsonb
 from psycopg.types.string import TextLoader
 
 import pg_idempotency as idem
-from pg_idempotency import aio, core
+from pg_idempotency import _calls, _wire, aio
 from pg_idempotency import queries as Q
 
 pytestmark = pytest.mark.anyio
@@ -72,7 +72,7 @@ def _psycopg_sends(conn: psycopg.Connection[Any], sql: str, params: dict[str, An
 def test_bound_sends_what_psycopg_sends(db: str, sql: str, changes: dict[str, Any]) -> None:
     params = _claim_params(**changes)
     with psycopg.connect(db, autocommit=True) as conn:
-        bound = core._bound(sql, params, conn.pgconn._encoding)
+        bound = _wire.bind(sql, params, conn.pgconn._encoding)
         assert bound is not None
         query, values, types, formats = bound
         assert (query, values, types, [int(f) for f in formats]) == _psycopg_sends(
@@ -84,12 +84,12 @@ def test_bound_sends_what_psycopg_sends(db: str, sql: str, changes: dict[str, An
     type("Text", (str,), {})("a str subclass"),
 ], ids=["nul", "naive-time", "int", "float", "jsonb", "bytearray", "str-subclass"])
 def test_bound_leaves_other_values_to_psycopg(value: Any) -> None:
-    assert core._bound(Q.CLAIM_BINARY, _claim_params(key=value), "utf-8") is None
+    assert _wire.bind(Q.CLAIM_BINARY, _claim_params(key=value), "utf-8") is None
 
 
 def test_bound_leaves_text_the_encoding_lacks_to_psycopg() -> None:
-    assert core._bound(Q.CLAIM_BINARY, _claim_params(key="kжy"), "latin-1") is None
-    assert core._bound(Q.CLAIM_BINARY, _claim_params(key="kéy"), "latin-1") is not None
+    assert _wire.bind(Q.CLAIM_BINARY, _claim_params(key="kжy"), "latin-1") is None
+    assert _wire.bind(Q.CLAIM_BINARY, _claim_params(key="kéy"), "latin-1") is not None
 
 
 def _latin1(text: str) -> bool:
@@ -111,13 +111,13 @@ def test_literal_query_reads_back_as_the_values(db: str, conforming: str, encodi
     texts = [t for t in AWKWARD + ["clé 'é'\\"] if encoding == "UTF8" or _latin1(t)]
     with psycopg.connect(db, autocommit=True, options=f"-c client_encoding={encoding} "
                          f"-c standard_conforming_strings={conforming}") as conn:
-        scs = core._conforming(conn)
+        scs = _wire.conforming_strings(conn)
         assert scs is (conforming == "on")
         for text in texts:
             body = text.encode() + bytes(range(256))
-            params = {"t": text, "b": body, "j": core._jsonb({"k": text, "\\": ["'"]}),
+            params = {"t": text, "b": body, "j": _calls.jsonb({"k": text, "\\": ["'"]}),
                       "n": -(2**63), "z": None}
-            query = core._literal_query(LITERALS, params, conn.pgconn._encoding, scs)
+            query = _wire.literal_query(LITERALS, params, conn.pgconn._encoding, scs)
             assert query is not None
             # text results in a binary-safe way: compare with what the server itself prints
             row = conn.pgconn.exec_(query)
@@ -138,7 +138,7 @@ def test_literal_query_reads_back_as_the_values(db: str, conforming: str, encodi
     Jsonb({"a": "nul\x00"}), Jsonb({}, dumps=None),
 ], ids=["nul", "time", "bool", "float", "jsonb-nul", "jsonb-global-dumps"])
 def test_literal_query_leaves_other_values_to_psycopg(value: Any) -> None:
-    assert core._literal_query("SELECT %(v)s", {"v": value}, "utf-8", True) is None
+    assert _wire.literal_query("SELECT %(v)s", {"v": value}, "utf-8", True) is None
 
 
 def _settings(encoding: str, conforming: str) -> str:
@@ -263,11 +263,11 @@ INSTANTS = [
 
 @pytest.mark.parametrize("datestyle", ["ISO, MDY", "ISO, DMY", "ISO, YMD"])
 def test_iso_time_reads_what_the_server_prints(db: str, datestyle: str) -> None:
-    """core._iso_time, which reads the short complete's result, against the server's own text
+    """_wire.iso_time, which reads the short complete's result, against the server's own text
     of the same instants, in time zones with offsets in minutes and seconds."""
     with psycopg.connect(db, autocommit=True) as conn:
         conn.execute("SELECT set_config('DateStyle', %s, false)", (datestyle,))
-        assert core._iso_dates(conn)
+        assert _wire.iso_dates(conn)
         for zone in ZONES:
             conn.execute("SELECT set_config('TimeZone', %s, false)", (zone,))
             for instant in INSTANTS:
@@ -275,12 +275,12 @@ def test_iso_time_reads_what_the_server_prints(db: str, datestyle: str) -> None:
                     f"SELECT '{instant.isoformat()}'::timestamptz".encode())
                 text = res.get_value(0, 0)
                 assert text is not None
-                assert core._iso_time(bytes(text)) == instant, (zone, bytes(text))
+                assert _wire.iso_time(bytes(text)) == instant, (zone, bytes(text))
         conn.execute("SET DateStyle = 'SQL, DMY'")
-        assert not core._iso_dates(conn)
+        assert not _wire.iso_dates(conn)
         res = conn.pgconn.exec_(b"SELECT now()")
         with pytest.raises(psycopg.DataError, match="DateStyle ISO"):
-            core._iso_time(bytes(res.get_value(0, 0) or b""))
+            _wire.iso_time(bytes(res.get_value(0, 0) or b""))
 
 
 def _stored_completed_at(db: str, scope: str, key: str) -> datetime:
@@ -306,9 +306,9 @@ def test_complete_short_form_follows_the_datestyle(db: str, session: str, local:
             if local is not None:
                 conn.execute(f"SET LOCAL DateStyle = '{local}'")
             iso = (local or session).startswith("ISO")
-            assert core._iso_dates(conn) is iso
-            q, _ = core._complete_parts(scope, key, 1, 201, b"{}", None, None, None, True)
-            text, short = core._commit_text(conn, q, conn.pgconn._encoding)
+            assert _wire.iso_dates(conn) is iso
+            q, _ = _calls.complete_parts(scope, key, 1, 201, b"{}", None, None, None, True)
+            text, short = _wire.commit_text(conn, q, conn.pgconn._encoding)
             assert short is iso and text is not None
             assert text.lstrip().startswith(
                 b"SELECT idempotency.complete_bytes(" if iso else b"SELECT extract(epoch")

@@ -6,7 +6,7 @@ Issue 13: when the package's statements were prepared (psycopg's default prepare
 ``heartbeat()`` executed someone's ``release()``), and 507 of 1,600 claims failed. Here the
 lifecycle walks cleanly, and 32 clients racing through 4 server connections for 50 keys (claim,
 heartbeat, checkpoint, complete, and release of keys of their own) get exactly one owner per
-key and lose none; the same race with preparing switched back on (``core._PREPARE = None``,
+key and lose none; the same race with preparing switched back on (``_exec.PREPARE = None``,
 psycopg's default) fails, which shows that the race can tell.
 """
 
@@ -22,7 +22,7 @@ import psycopg
 import pytest
 
 import pg_idempotency as idem
-from pg_idempotency import api, core
+from pg_idempotency import _exec, api
 from pg_idempotency.errors import KeyInProgress, KeyMismatch
 from pgharness import WAIT_BOUND, PgBouncer, PgServer
 
@@ -204,7 +204,7 @@ def test_the_race_fails_when_preparing_is_switched_back_on(
     """The control: psycopg's default preparing on the package's statements (what 0.8.0 did)
     breaks the same race, so the test above would catch a statement that prepares again."""
     bouncer, dbname = bouncer_db
-    monkeypatch.setattr(core, "_PREPARE", None)
+    monkeypatch.setattr(_exec, "PREPARE", None)
     outcomes, owners, errors = race(bouncer, dbname)
     wrong = sorted(k for k, n in owners.items() if n != 1)
     print(f"preparing on: {len(errors)} of {CLIENTS} clients failed, e.g. {errors[:2]}; "
@@ -216,7 +216,7 @@ def test_the_package_prepares_nothing_on_a_direct_connection(
         db: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a pooler, where prepared statements could be seen: after 3 x psycopg's
     threshold of each call (and BEGIN/COMMIT), the session has no prepared statement; with
-    core._PREPARE = None it has them (so this count can tell)."""
+    _exec.PREPARE = None it has them (so this count can tell)."""
     def lifecycle(conn: psycopg.Connection[Any], n: int, tag: str) -> None:
         for i in range(n):
             with idem.operation(conn, "prep", f"{tag}-{i}", {"i": i}) as op:
@@ -237,7 +237,7 @@ def test_the_package_prepares_nothing_on_a_direct_connection(
         lifecycle(conn, 15, "tx")
         conn.rollback()
         assert conn.execute(prepared, prepare=False).fetchone()[0] == 0
-    monkeypatch.setattr(core, "_PREPARE", None)
+    monkeypatch.setattr(_exec, "PREPARE", None)
     with psycopg.connect(db, autocommit=True) as conn:
         lifecycle(conn, 15, "on")
         assert conn.execute(prepared, prepare=False).fetchone()[0] >= 4
@@ -249,7 +249,7 @@ def test_allow_prepared_statements_follows_each_connection(
     statements are prepared as the connection's prepare_threshold says (psycopg's default 5:
     prepared; None: never); switched off again, nothing more is prepared. Anything but a bool
     is refused and changes nothing."""
-    monkeypatch.setattr(core, "_PREPARE", False)  # restored after the test
+    monkeypatch.setattr(_exec, "PREPARE", False)  # restored after the test
     lifecycle_sql = "SELECT name, statement FROM pg_prepared_statements ORDER BY name"
 
     def lifecycle(conn: psycopg.Connection[Any], n: int, tag: str) -> None:
@@ -261,7 +261,7 @@ def test_allow_prepared_statements_follows_each_connection(
 
     with pytest.raises(TypeError, match="allowed must be True or False"):
         idem.allow_prepared_statements("yes")  # type: ignore[arg-type]
-    assert core._PREPARE is False
+    assert _exec.PREPARE is False
     idem.allow_prepared_statements()
     with psycopg.connect(db, autocommit=True) as conn:
         lifecycle(conn, 8, "on")
@@ -275,7 +275,7 @@ def test_allow_prepared_statements_follows_each_connection(
         lifecycle(conn, 8, "none")
         assert conn.execute(lifecycle_sql, prepare=False).fetchall() == []
     idem.allow_prepared_statements(False)
-    assert core._PREPARE is False
+    assert _exec.PREPARE is False
     with psycopg.connect(db, autocommit=True) as conn:
         lifecycle(conn, 8, "off")
         assert conn.execute(lifecycle_sql, prepare=False).fetchall() == []
@@ -287,7 +287,7 @@ def test_prepared_statements_outlive_an_upgrade_of_the_functions(
     while a migration replaces the functions (CREATE OR REPLACE) and widens claim_result (ALTER
     TYPE ... ADD ATTRIBUTE): the server re-plans them; no error, no second preparation, the
     same answers."""
-    monkeypatch.setattr(core, "_PREPARE", False)
+    monkeypatch.setattr(_exec, "PREPARE", False)
     idem.allow_prepared_statements()
     with psycopg.connect(db, autocommit=True) as app, \
             psycopg.connect(db, autocommit=True) as owner:

@@ -2,7 +2,7 @@
 
 Under a SQL_ASCII client encoding the server converts nothing, psycopg sends text as UTF-8 and
 loads text as bytes (it cannot know their encoding). Before the package read its text as UTF-8
-there (core._codec, core.dict_rows), an operation with a key that is not ASCII committed its
+there (_wire.codec, _wire.dict_rows), an operation with a key that is not ASCII committed its
 complete and then raised in the caller's hands: the outcome of the cleanup read b'completed',
 and the completion time b'1796...' (TypeError). Checked here, on a UTF8 database with the
 session's client encoding set to SQL_ASCII, and on a SQL_ASCII database:
@@ -37,7 +37,7 @@ from test_cli import run
 
 import pg_idempotency as idem
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute, login_roles
-from pg_idempotency import aio, core
+from pg_idempotency import _calls, aio
 from pg_idempotency.sqlalchemy import operation as sa_operation
 from pgharness import PgServer
 
@@ -155,7 +155,7 @@ def test_a_sql_ascii_database(sql_ascii_db: str) -> None:
         # the server's fingerprint of UTF-8 text is the package's
         request = {"amount": 5, "note": "café 漢"}
         server_fp = conn.execute("SELECT idempotency.fingerprint(%s::jsonb)",
-                                 (core._jsonb(request),)).fetchone()[0]
+                                 (_calls.jsonb(request),)).fetchone()[0]
         assert bytes(server_fp) == idem.fingerprint(request)
         # a key whose bytes are not UTF-8: refused before anything is written
         counts = ("SELECT (SELECT count(*) FROM idempotency.keys),"

@@ -18,6 +18,12 @@ layer over them (docs/python.md):
 
 from importlib import metadata as _metadata
 
+# pg_idempotency.core, an attribute of the package as it always was (it re-exports the modules
+# the core was split into)
+from . import core  # noqa: F401
+from ._calls import DEFAULT_LEASE
+from ._exec import allow_prepared_statements
+from ._results import AbandonedKey, ClaimResult, Outcome, StoredResponse
 from .api import (
     Operation,
     accept,
@@ -31,14 +37,6 @@ from .api import (
     operation,
     release,
     takeover,
-)
-from .core import (
-    DEFAULT_LEASE,
-    AbandonedKey,
-    ClaimResult,
-    Outcome,
-    StoredResponse,
-    allow_prepared_statements,
 )
 from .errors import (
     AlreadyCompleted,

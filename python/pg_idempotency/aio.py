@@ -1,5 +1,5 @@
 """The async API (psycopg ``AsyncConnection``): :mod:`pg_idempotency.api` made async, from
-the same generators of :mod:`pg_idempotency.core`.
+the same generators of :mod:`pg_idempotency._calls`.
 
     async with aio.operation(conn, scope, key, request) as op:
         if op.replay:
@@ -18,33 +18,36 @@ from typing import Any
 
 import psycopg
 
-from . import core
-from .core import (
-    DEFAULT_LEASE,
+from . import _calls
+from ._calls import DEFAULT_LEASE
+from ._exec import arun, block_outage, make_async
+from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     OperationCore,
-    StoredResponse,
+    idempotent_wrapper,
+    refuse_managed,
 )
+from ._results import StoredResponse
 from .fingerprint import derive_key
 
 __all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
            "idempotent", "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
-claim = core._async(core.claim)
-takeover = core._async(core.takeover)
-checkpoint = core._async(core.checkpoint)
-heartbeat = core._async(core.heartbeat)
-complete = core._async(core.complete)
-accept = core._async(core.accept)
-release = core._async(core.release)
-list_abandoned = core._async(core.list_abandoned)
-inbox_accept = core._async(core.inbox_accept)
+claim = make_async(_calls.claim)
+takeover = make_async(_calls.takeover)
+checkpoint = make_async(_calls.checkpoint)
+heartbeat = make_async(_calls.heartbeat)
+complete = make_async(_calls.complete)
+accept = make_async(_calls.accept)
+release = make_async(_calls.release)
+list_abandoned = make_async(_calls.list_abandoned)
+inbox_accept = make_async(_calls.inbox_accept)
 
 
 class Operation:
     """One idempotent operation on ``conn``; made by :func:`operation`. See
-    :class:`pg_idempotency.core.OperationCore` for the transaction rules."""
+    :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
     def __init__(self, core_: OperationCore, conn: psycopg.AsyncConnection[Any]) -> None:
         self._core = core_
@@ -52,38 +55,37 @@ class Operation:
         self.conn = conn
 
     async def __aenter__(self) -> Operation:
-        await core._arun(self.conn, self._core.g_enter())
+        await arun(self.conn, self._core.g_enter())
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await core._arun(self.conn, self._core.g_exit(exc))
-        lost = core.block_outage(exc)
+        await arun(self.conn, self._core.g_exit(exc))
+        lost = block_outage(exc)
         if lost is not None:  # the block's own statement on a lost connection
             raise lost
 
     async def checkpoint(self, recovery_point: str, *,
                          extend: timedelta | float | None = None) -> datetime:
         """Record ``recovery_point`` and commit it with the writes made so far."""
-        return await core._arun(self.conn, self._core.g_checkpoint(recovery_point, extend))
+        return await arun(self.conn, self._core.g_checkpoint(recovery_point, extend))
 
     async def complete(self, status: int, body: Any = None, *,
                        headers: Mapping[str, str] | None = None,
                        content_type: str | None = None) -> StoredResponse:
         """Store the response and commit it with the business writes."""
-        return await core._arun(self.conn,
-                                self._core.g_complete(status, body, headers, content_type))
+        return await arun(self.conn, self._core.g_complete(status, body, headers, content_type))
 
     async def accept(self, status: int, body: Any = None, *,
                      headers: Mapping[str, str] | None = None,
                      lease: timedelta | float | None = None) -> StoredResponse:
         """Hand the operation over to a worker (see :meth:`pg_idempotency.Operation.accept`)."""
-        return await core._arun(self.conn, self._core.g_accept(status, body, headers, lease))
+        return await arun(self.conn, self._core.g_accept(status, body, headers, lease))
 
     async def release(self) -> None:
         """A definite failure before any side effect: roll back and release the key (see
         :meth:`pg_idempotency.Operation.release`)."""
-        await core._arun(self.conn, self._core.g_release())
+        await arun(self.conn, self._core.g_release())
 
     def __getattr__(self, name: str) -> Any:
         # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
@@ -105,7 +107,7 @@ def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,
     body over ``max_response_bytes`` or headers over ``max_headers_bytes`` (the server's
     defaults) before sending anything, and ends the operation as an exception would (rolled
     back, key released)."""
-    core.refuse_managed(conn)
+    refuse_managed(conn)
     return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
                                    reference_time=reference_time,
                                    max_response_bytes=max_response_bytes,
@@ -121,8 +123,8 @@ def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200
     :class:`Operation`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        run = core.idempotent_wrapper(fn, lease=lease, status=status, driver=core._arun,
-                                      make_op=lambda c, conn: Operation(c, conn))
+        run = idempotent_wrapper(fn, lease=lease, status=status, driver=arun,
+                                 make_op=lambda c, conn: Operation(c, conn))
 
         @functools.wraps(run)
         async def call(*args: Any, **kwargs: Any) -> Any:  # a coroutine function, as fn was

@@ -1,5 +1,5 @@
 """The sync API (psycopg ``Connection``); :mod:`pg_idempotency.aio` is the same for
-``AsyncConnection``. Both are made from the generators of :mod:`pg_idempotency.core`.
+``AsyncConnection``. Both are made from the generators of :mod:`pg_idempotency._calls`.
 
     with pg_idempotency.operation(conn, scope, key, request) as op:
         if op.replay:
@@ -17,33 +17,36 @@ from typing import Any
 
 import psycopg
 
-from . import core
-from .core import (
-    DEFAULT_LEASE,
+from . import _calls
+from ._calls import DEFAULT_LEASE
+from ._exec import block_outage, make_sync, run
+from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     OperationCore,
-    StoredResponse,
+    idempotent_wrapper,
+    refuse_managed,
 )
+from ._results import StoredResponse
 from .fingerprint import derive_key
 
 __all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
            "idempotent", "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
 
-claim = core._sync(core.claim)
-takeover = core._sync(core.takeover)
-checkpoint = core._sync(core.checkpoint)
-heartbeat = core._sync(core.heartbeat)
-complete = core._sync(core.complete)
-accept = core._sync(core.accept)
-release = core._sync(core.release)
-list_abandoned = core._sync(core.list_abandoned)
-inbox_accept = core._sync(core.inbox_accept)
+claim = make_sync(_calls.claim)
+takeover = make_sync(_calls.takeover)
+checkpoint = make_sync(_calls.checkpoint)
+heartbeat = make_sync(_calls.heartbeat)
+complete = make_sync(_calls.complete)
+accept = make_sync(_calls.accept)
+release = make_sync(_calls.release)
+list_abandoned = make_sync(_calls.list_abandoned)
+inbox_accept = make_sync(_calls.inbox_accept)
 
 
 class Operation:
     """One idempotent operation on ``conn``; made by :func:`operation`. See
-    :class:`pg_idempotency.core.OperationCore` for the transaction rules."""
+    :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
     def __init__(self, core_: OperationCore, conn: psycopg.Connection[Any]) -> None:
         self._core = core_
@@ -51,25 +54,25 @@ class Operation:
         self.conn = conn
 
     def __enter__(self) -> Operation:
-        core._run(self.conn, self._core.g_enter())
+        run(self.conn, self._core.g_enter())
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        core._run(self.conn, self._core.g_exit(exc))
-        lost = core.block_outage(exc)
+        run(self.conn, self._core.g_exit(exc))
+        lost = block_outage(exc)
         if lost is not None:  # the block's own statement on a lost connection
             raise lost
 
     def checkpoint(self, recovery_point: str, *, extend: timedelta | float | None = None
                    ) -> datetime:
         """Record ``recovery_point`` and commit it with the writes made so far."""
-        return core._run(self.conn, self._core.g_checkpoint(recovery_point, extend))
+        return run(self.conn, self._core.g_checkpoint(recovery_point, extend))
 
     def complete(self, status: int, body: Any = None, *, headers: Mapping[str, str] | None = None,
                  content_type: str | None = None) -> StoredResponse:
         """Store the response and commit it with the business writes."""
-        return core._run(self.conn, self._core.g_complete(status, body, headers, content_type))
+        return run(self.conn, self._core.g_complete(status, body, headers, content_type))
 
     def accept(self, status: int, body: Any = None, *,
                headers: Mapping[str, str] | None = None,
@@ -77,13 +80,13 @@ class Operation:
         """Hand the operation over to a worker: store the interim response (e.g. 202 and a
         status URL) and commit it with the writes made so far (the enqueued job). Retries
         get it back (``op.accepted``) until the worker completes with ``op.lease_token``."""
-        return core._run(self.conn, self._core.g_accept(status, body, headers, lease))
+        return run(self.conn, self._core.g_accept(status, body, headers, lease))
 
     def release(self) -> None:
         """A definite failure before any side effect (a declined card, a 402 not worth
         storing): roll the business transaction back and release the key, so that a retry
         runs afresh, even with another request. The block may then return normally."""
-        core._run(self.conn, self._core.g_release())
+        run(self.conn, self._core.g_release())
 
     def __getattr__(self, name: str) -> Any:
         # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
@@ -105,7 +108,7 @@ def operation(conn: psycopg.Connection[Any], scope: str, key: str, request: Any 
     body over ``max_response_bytes`` or headers over ``max_headers_bytes`` (the server's
     defaults) before sending anything, and ends the operation as an exception would (rolled
     back, key released)."""
-    core.refuse_managed(conn)
+    refuse_managed(conn)
     return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
                                    reference_time=reference_time,
                                    max_response_bytes=max_response_bytes,
@@ -120,7 +123,7 @@ def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200
     stored value without running it. A parameter named ``op`` receives the :class:`Operation`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        return core.idempotent_wrapper(fn, lease=lease, status=status, driver=core._run,
-                                       make_op=lambda c, conn: Operation(c, conn))
+        return idempotent_wrapper(fn, lease=lease, status=status, driver=run,
+                                  make_op=lambda c, conn: Operation(c, conn))
 
     return decorate

@@ -83,8 +83,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import aio
 from . import contract as http
+from ._calls import DEFAULT_LEASE
+from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
-from .core import DEFAULT_LEASE, ClaimResult
 from .errors import (
     DEFAULT_UNAVAILABLE_RETRY_AFTER,
     AlreadyCompleted,

@@ -41,7 +41,7 @@ from typing import Any
 import psycopg
 from psycopg.conninfo import conninfo_to_dict
 
-from . import __version__, core, maintenance, queries
+from . import __version__, _wire, maintenance, queries
 from .migrate import MigrationError, install_sql, migrate, migrations, sql_path
 from .schema import SCHEMA_VERSION, schema_version
 
@@ -213,7 +213,7 @@ NOT_CONFIRMED = 6
 
 
 def _key_rows(conn: psycopg.Connection, query: str, params: dict[str, Any]) -> list[dict]:
-    with conn.cursor(row_factory=core.dict_rows(conn)) as cur:
+    with conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
         return cur.execute(query, params).fetchall()  # type: ignore[arg-type]
 
 

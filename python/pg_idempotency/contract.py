@@ -41,7 +41,8 @@ from datetime import timedelta
 from enum import Enum
 from typing import Any
 
-from .core import DEFAULT_LEASE, ClaimResult, Outcome, StoredResponse
+from ._calls import DEFAULT_LEASE
+from ._results import ClaimResult, Outcome, StoredResponse
 from .errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, InvalidArgument, connection_lost
 from .fingerprint import _check_name, describe_request, fingerprint
 

@@ -48,8 +48,8 @@ from werkzeug.exceptions import RequestEntityTooLarge
 
 from . import api
 from . import contract as http
+from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
-from .core import ClaimResult
 from .errors import (
     AlreadyCompleted,
     ArgumentTooLarge,

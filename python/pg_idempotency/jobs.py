@@ -36,9 +36,10 @@ from typing import Any
 import psycopg
 from psycopg.types.json import Jsonb
 
-from . import api, core
+from . import _exec, _wire, api
 from . import queries as Q
-from .core import DEFAULT_LEASE, Outcome, load_json
+from ._calls import DEFAULT_LEASE
+from ._results import Outcome, load_json
 from .errors import AlreadyCompleted, KeyNotFound, LeaseLost, UsageError
 
 __all__ = ["Job", "Worker", "aenqueue", "create_queue", "enqueue", "install_pgmq"]
@@ -50,17 +51,17 @@ def install_pgmq(conn: psycopg.Connection[Any]) -> bool:
     from pgmq.install import get_embedded_install_sql  # the [jobs] extra
 
     with conn.transaction():
-        row = conn.execute(Q.PGMQ_INSTALLED, prepare=core._PREPARE).fetchone()
+        row = conn.execute(Q.PGMQ_INSTALLED, prepare=_exec.PREPARE).fetchone()
         if row and row[0]:
             return False
-        conn.execute(get_embedded_install_sql(), prepare=core._PREPARE)  # type: ignore[arg-type]  # a whole script
+        conn.execute(get_embedded_install_sql(), prepare=_exec.PREPARE)  # type: ignore[arg-type]  # a whole script
     return True
 
 
 def create_queue(conn: psycopg.Connection[Any], queue: str) -> None:
     """``pgmq.create(queue)`` (a no-op when it exists), in its own transaction."""
     with conn.transaction():
-        conn.execute(Q.PGMQ_CREATE, {"queue": queue}, prepare=core._PREPARE)
+        conn.execute(Q.PGMQ_CREATE, {"queue": queue}, prepare=_exec.PREPARE)
 
 
 def enqueue(conn: psycopg.Connection[Any], queue: str, op: Any, payload: Any = None) -> int:
@@ -68,7 +69,7 @@ def enqueue(conn: psycopg.Connection[Any], queue: str, op: Any, payload: Any = N
     value) to ``queue``, in the transaction open on ``conn``: call ``op.accept()`` after it,
     which commits both. Returns the message id."""
     row = conn.execute(Q.PGMQ_SEND, _send_params("enqueue()", queue, op, payload),
-                       prepare=core._PREPARE).fetchone()
+                       prepare=_exec.PREPARE).fetchone()
     assert row is not None
     return int(row[0])
 
@@ -77,7 +78,7 @@ async def aenqueue(conn: psycopg.AsyncConnection[Any], queue: str, op: Any,
                    payload: Any = None) -> int:
     """:func:`enqueue` on an async connection (an ASGI handler's ``op.conn``)."""
     cur = await conn.execute(Q.PGMQ_SEND, _send_params("aenqueue()", queue, op, payload),
-                             prepare=core._PREPARE)
+                             prepare=_exec.PREPARE)
     row = await cur.fetchone()
     assert row is not None
     return int(row[0])
@@ -132,9 +133,9 @@ class Worker:
     def run_once(self) -> bool:
         """Read one message and handle it; False when the queue had none visible."""
         with self.conn.transaction():
-            with self.conn.cursor(row_factory=core.dict_rows(self.conn)) as cur:
+            with self.conn.cursor(row_factory=_wire.dict_rows(self.conn)) as cur:
                 msg = cur.execute(Q.PGMQ_READ, {"queue": self.queue, "vt": self._vt},
-                                  prepare=core._PREPARE).fetchone()
+                                  prepare=_exec.PREPARE).fetchone()
         if msg is None:
             return False
         body = load_json(msg["message"])
@@ -174,7 +175,7 @@ class Worker:
         wait = result.retry_after.total_seconds() if result.retry_after else self.lease
         with self.conn.transaction():
             self.conn.execute(Q.PGMQ_SET_VT, {"queue": self.queue, "msg_id": job.msg_id,
-                                              "vt": max(1, round(wait))}, prepare=core._PREPARE)
+                                              "vt": max(1, round(wait))}, prepare=_exec.PREPARE)
         return False
 
     def _run(self, job: Job) -> None:
@@ -189,7 +190,7 @@ class Worker:
                 api.complete(self.conn, job.scope, job.key, job.lease_token, status, body,
                              headers=headers)
                 self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id},
-                                  prepare=core._PREPARE)
+                                  prepare=_exec.PREPARE)
         finally:
             stop.set()
             beat.join()
@@ -201,11 +202,11 @@ class Worker:
                 with conn.transaction():
                     api.heartbeat(conn, job.scope, job.key, job.lease_token, lease=self.lease)
                     conn.execute(Q.PGMQ_SET_VT, {"queue": self.queue, "msg_id": job.msg_id,
-                                                 "vt": self._vt}, prepare=core._PREPARE)
+                                                 "vt": self._vt}, prepare=_exec.PREPARE)
             except (LeaseLost, AlreadyCompleted, KeyNotFound, psycopg.Error):
                 return  # fenced or disconnected: complete() will tell the handler's transaction
 
     def _delete(self, job: Job) -> None:
         with self.conn.transaction():
             self.conn.execute(Q.PGMQ_DELETE, {"queue": self.queue, "msg_id": job.msg_id},
-                              prepare=core._PREPARE)
+                              prepare=_exec.PREPARE)

@@ -39,9 +39,9 @@ from typing import Any
 import psycopg
 from psycopg import pq
 
-from . import core
+from . import _exec, _wire
 from . import queries as Q
-from .core import load_time
+from ._results import load_time
 
 __all__ = [
     "MaintenanceStep",
@@ -96,9 +96,9 @@ def run_maintenance(
         raise ValueError("run_maintenance commits each run: call it outside a transaction")
     steps: list[MaintenanceStep] = []
     for attempt in range(1, attempts + 1):
-        with conn.transaction(), conn.cursor(row_factory=core.dict_rows(conn)) as cur:
+        with conn.transaction(), conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
             rows = cur.execute(Q.MAINTAIN, {"reference_time": reference_time},
-                               prepare=core._PREPARE).fetchall()
+                               prepare=_exec.PREPARE).fetchall()
         this_run = [MaintenanceStep(**_times(row, "lower_bound", "upper_bound"), attempt=attempt)
                     for row in rows]
         steps.extend(this_run)
@@ -130,9 +130,9 @@ def fetch_status(conn: psycopg.Connection[Any], reference_time: datetime | None 
     Runs in the caller's transaction if there is one.
     """
     params = {"reference_time": reference_time}
-    with conn.cursor(row_factory=core.dict_rows(conn)) as cur:
-        keys = cur.execute(Q.KEY_STATUS, params, prepare=core._PREPARE).fetchall()
-        partitions = cur.execute(Q.PARTITION_STATUS, params, prepare=core._PREPARE).fetchall()
+    with conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
+        keys = cur.execute(Q.KEY_STATUS, params, prepare=_exec.PREPARE).fetchall()
+        partitions = cur.execute(Q.PARTITION_STATUS, params, prepare=_exec.PREPARE).fetchall()
     return Status(
         keys=[_times(k, "oldest_created_at", "oldest_expired_lease") for k in keys],
         partitions=[_times(p, "lower_bound", "upper_bound", "drop_after") for p in partitions])

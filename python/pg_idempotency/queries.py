@@ -10,7 +10,7 @@ Times and intervals are settings-proof both ways: psycopg sends datetime and tim
 in binary (with client-side binding, as ISO 8601 text and in the form the session's
 IntervalStyle reads), and every timestamptz or interval result comes back as epoch seconds
 (:func:`_seconds`), or in binary (CLAIM_BINARY, TAKEOVER_BINARY: read raw by
-``core.claim_result_of``), so any DateStyle, IntervalStyle and TimeZone work.
+``_wire.claim_result_of``), so any DateStyle, IntervalStyle and TimeZone work.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Final
 
 def _seconds(column: str) -> str:
     """A timestamptz column as its seconds since 1970-01-01 UTC, an interval as its length in
-    seconds, as numeric text: ``core.load_time`` and ``core.load_interval`` parse it.
+    seconds, as numeric text: ``_results.load_time`` and ``_results.load_interval`` parse it.
 
     psycopg's loaders parse timestamptz only in DateStyle ISO and interval only in
     IntervalStyle postgres, and a role or a database may set any style. The epoch is the same
@@ -53,8 +53,8 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
     reference_time => %(reference_time)s::timestamptz)
 """
 
-# The same calls as the package's own drivers send them (core._execute): claim_result's
-# columns as they are, in binary, which core.claim_result_of reads from the raw result, no
+# The same calls as the package's own drivers send them (_exec.execute): claim_result's
+# columns as they are, in binary, which _wire.claim_result_of reads from the raw result, no
 # loader involved. Binary timestamptz and interval are numbers whatever the DateStyle,
 # IntervalStyle and TimeZone, and no loader an application registered (for text, jsonb, the
 # times) sees them; the server neither converts 13 columns to text nor parses and plans the
@@ -73,10 +73,10 @@ SELECT {_BINARY_COLUMNS} FROM idempotency.claim(
     strict => %(strict)s::boolean, reference_time => %(reference_time)s::timestamptz)
 """
 
-# What the package's own sends run for CLAIM_BINARY (core._execute: unprepared, its parameters
-# with the types core._bound gives them): the same call positionally, without casts, in the
+# What the package's own sends run for CLAIM_BINARY (_wire.send_claim: unprepared, its parameters
+# with the types _wire.bind gives them): the same call positionally, without casts, in the
 # select list, so that claim_result comes back as one composite value (in binary: its columns
-# in their order, each with its type's OID, which core.claim_result_of reads by position; a
+# in their order, each with its type's OID, which _wire.claim_result_of reads by position; a
 # column a later migration appends comes after them). Parse, analysis and planning of this
 # text cost the server about 110,000 CPU instructions less per claim than CLAIM_BINARY's
 # (named notation, casts, 13 named columns), and the select-list call about 56,000 less than
@@ -133,10 +133,10 @@ FROM idempotency.complete_bytes(
     reference_time => %(reference_time)s::timestamptz) AS r
 """
 
-# What the package's own sends run for COMPLETE and COMPLETE_BYTES + COMMIT (core._execute, a
+# What the package's own sends run for COMPLETE and COMPLETE_BYTES + COMMIT (_wire.send_commit, a
 # simple Query with literals) when the session prints dates in DateStyle ISO, as libpq last
 # heard from the server: the call positionally, with untyped literals, in the select list, its
-# timestamptz as the server prints it, which core._iso_time reads in every TimeZone. About
+# timestamptz as the server prints it, which _wire.iso_time reads in every TimeZone. About
 # 130,000 server CPU instructions less per complete than COMPLETE_BYTES' named, cast, epoch
 # converting text (bench/profile_sql.py --callgrind-texts). Under another DateStyle the package
 # sends COMPLETE_BYTES, whose epoch is the same in any. The same conditions as CLAIM_SHORT:
@@ -169,7 +169,7 @@ SELECT idempotency.release(
 
 # The same three calls answering a lost lease as a value (outcome lease_lost or completed)
 # instead of IK001 / IK004: on Citus an error costs the session a new worker connection
-# (docs/scale-out.md). core.py raises the same LeaseLost from the outcome.
+# (docs/scale-out.md). _calls.py raises the same LeaseLost from the outcome.
 HEARTBEAT_OUTCOME: Final = """
 SELECT outcome, extract(epoch FROM lease_expires_at)::text AS lease_expires_at
 FROM idempotency.heartbeat_outcome(
@@ -284,5 +284,5 @@ SCHEMA_VERSION: Final = "SELECT max(version) AS version FROM idempotency.migrati
 BEGIN: Final = "BEGIN"
 #: Sent as a statement in the pipeline of complete() (Connection.commit() would add a Sync).
 COMMIT: Final = "COMMIT"
-#: Appended to complete's call to send both in one simple Query message (core._execute).
+#: Appended to complete's call to send both in one simple Query message (_wire.send_commit).
 AND_COMMIT: Final = ";\nCOMMIT"

@@ -52,14 +52,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
-from . import aio, contract, core
-from .core import (
-    DEFAULT_LEASE,
-    DEFAULT_MAX_HEADERS_BYTES,
-    DEFAULT_MAX_RESPONSE_BYTES,
-    OperationCore,
-    StoredResponse,
-)
+from . import _exec, _wire, aio, contract
+from ._calls import DEFAULT_LEASE
+from ._exec import Call, Gen, Query, Tx, block_outage, translate
+from ._operation import DEFAULT_MAX_HEADERS_BYTES, DEFAULT_MAX_RESPONSE_BYTES, OperationCore
+from ._results import StoredResponse
 from .errors import UsageError
 
 try:  # for FastAPI's dependency injection of request_session(request: Request)
@@ -146,7 +143,7 @@ def _psycopg(raw: Any) -> Any:
     return raw
 
 
-def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) -> Any:
+def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
     """Drive a core generator on a Session: queries on the session's own psycopg connection
     (so they are in its transaction), commit and rollback through the session (so its ORM
     state follows, and pending objects are flushed into the same transaction)."""
@@ -158,22 +155,22 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
         except StopIteration as stop:
             return stop.value
         try:
-            if isinstance(request, core._Query):
+            if isinstance(request, Query):
                 raw = _psycopg(session.connection().connection.driver_connection)
-                with raw.cursor(row_factory=core.dict_rows(raw)) as cur:
-                    cur.execute(request.sql, request.params, prepare=core._PREPARE)
+                with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
+                    cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
                     value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
                 if request.commit:  # complete(): the ORM's writes commit with it
                     with _allowing(guard):
                         session.commit()
-            elif isinstance(request, core._Call):
+            elif isinstance(request, Call):
                 value = request.fn(*request.args, **request.kwargs)
-            elif request is core._Tx.STATE:
+            elif request is Tx.STATE:
                 value = _state(session)
-            elif request is core._Tx.BEGIN:
+            elif request is Tx.BEGIN:
                 session.connection()
                 value = None
-            elif request is core._Tx.COMMIT:
+            elif request is Tx.COMMIT:
                 with _allowing(guard):
                     session.commit()
                 value = None
@@ -182,10 +179,10 @@ def _run_session(session: Session, gen: core._Gen[Any], guard: _Guard | None) ->
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
-            value, send = core._translate(exc, request), gen.throw
+            value, send = translate(exc, request), gen.throw
 
 
-async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guard | None) -> Any:
+async def _arun_session(session: AsyncSession, gen: Gen[Any], guard: _Guard | None) -> Any:
     """:func:`_run_session` for an AsyncSession."""
     send = gen.send
     value: Any = None
@@ -195,23 +192,23 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
         except StopIteration as stop:
             return stop.value
         try:
-            if isinstance(request, core._Query):
+            if isinstance(request, Query):
                 conn = await session.connection()
                 raw = _psycopg((await conn.get_raw_connection()).driver_connection)
-                async with raw.cursor(row_factory=core.dict_rows(raw)) as cur:
-                    await cur.execute(request.sql, request.params, prepare=core._PREPARE)
+                async with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
+                    await cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
                     value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
                 if request.commit:
                     with _allowing(guard):
                         await session.commit()
-            elif isinstance(request, core._Call):
+            elif isinstance(request, Call):
                 value = request.fn(*request.args, **request.kwargs)
-            elif request is core._Tx.STATE:
+            elif request is Tx.STATE:
                 value = _state(session.sync_session)
-            elif request is core._Tx.BEGIN:
+            elif request is Tx.BEGIN:
                 await session.connection()
                 value = None
-            elif request is core._Tx.COMMIT:
+            elif request is Tx.COMMIT:
                 with _allowing(guard):
                     await session.commit()
                 value = None
@@ -220,7 +217,7 @@ async def _arun_session(session: AsyncSession, gen: core._Gen[Any], guard: _Guar
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001
-            value, send = core._translate(exc, request), gen.throw
+            value, send = translate(exc, request), gen.throw
 
 
 @contextlib.contextmanager
@@ -231,7 +228,7 @@ def _outage() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        lost = core.block_outage(exc)
+        lost = block_outage(exc)
         if lost is None:
             raise
         raise lost from exc
@@ -277,7 +274,7 @@ class SessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         _run_session(self.session, self._core.g_exit(exc), None)
-        lost = core.block_outage(exc)
+        lost = block_outage(exc)
         if lost is not None:  # a statement of the block (a flush, an execute) on a lost connection
             raise lost
 
@@ -325,7 +322,7 @@ class AsyncSessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         await _arun_session(self.session, self._core.g_exit(exc), None)
-        lost = core.block_outage(exc)
+        lost = block_outage(exc)
         if lost is not None:
             raise lost
 

@@ -1,7 +1,7 @@
 """OpenTelemetry for the package (the ``otel`` extra: ``opentelemetry-api``), docs/python.md.
 
-The core (:mod:`pg_idempotency.core`) calls :func:`start` and :func:`end` around each call of
-the SQL API it sends (claim, takeover, checkpoint, heartbeat, complete, accept, release,
+The generators of :mod:`pg_idempotency._calls` call :func:`start` and :func:`end` around each
+call of the SQL API they send (claim, takeover, checkpoint, heartbeat, complete, accept, release,
 inbox_accept), so every way in (the sync and async API, ``operation()``, ``@idempotent``, the
 ASGI, Django, Flask/WSGI and SQLAlchemy adapters, the jobs worker) is traced and measured the
 same way, with no code of its own:

@@ -41,10 +41,11 @@ from django.db.transaction import TransactionManagementError
 from django.http import HttpRequest, HttpResponse
 from django.utils.module_loading import import_string
 
-from .. import api
+from .. import _log, api
 from .. import contract as http
+from .._calls import DEFAULT_LEASE
+from .._results import ClaimResult, Outcome
 from ..contract import DEFAULT_REPLAY_HEADERS, Answer
-from ..core import DEFAULT_LEASE, ClaimResult, Outcome, _log
 from ..errors import (
     DEFAULT_UNAVAILABLE_RETRY_AFTER,
     AlreadyCompleted,
@@ -310,7 +311,7 @@ def _release_after_failure(connection: Any, conn: Any, conf: _Config, state: Ide
     retry after the lease resumes)."""
     if state.side_effects:
         if log.isEnabledFor(logging.INFO):
-            _log(logging.INFO, "kept", state.scope, state.key, reason="exception")
+            _log.log(logging.INFO, "kept", state.scope, state.key, reason="exception")
         return
     try:
         if connection.in_atomic_block:  # test mode: a savepoint of the TestCase's transaction
@@ -321,7 +322,7 @@ def _release_after_failure(connection: Any, conn: Any, conf: _Config, state: Ide
     except Exception:  # noqa: BLE001 - the view's error is the one to report
         # An unreleased key only costs the client a wait for the lease to expire.
         if log.isEnabledFor(logging.WARNING):
-            _log(logging.WARNING, "release_failed", state.scope, state.key, exc_info=True)
+            _log.log(logging.WARNING, "release_failed", state.scope, state.key, exc_info=True)
 
 
 def idempotent(view: Callable[..., HttpResponse] | None = None, *,
