@@ -328,6 +328,88 @@ class OperationCore:
         return stored.json() if value is not None else None
 
 
+class OperationFields:
+    """The fields of an operation, read-only, as every ``Operation`` shows them (the sync and
+    async ones, and the SQLAlchemy session's): properties over the shared
+    :class:`OperationCore` in ``self._core``, so that IDEs and type checkers see them."""
+
+    __slots__ = ()
+    _core: OperationCore
+
+    @property
+    def scope(self) -> str:
+        return self._core.scope
+
+    @property
+    def key(self) -> str:
+        return self._core.key
+
+    @property
+    def claim_result(self) -> ClaimResult | None:
+        """What claim returned on entry."""
+        return self._core.claim_result
+
+    @property
+    def outcome(self) -> Outcome | None:
+        """The claim's outcome (claimed, resumed, replay or accepted inside the block)."""
+        return self._core.outcome
+
+    @property
+    def replay(self) -> StoredResponse | None:
+        """The stored response when the key was completed before (outcome replay), else None."""
+        return self._core.replay
+
+    @property
+    def accepted(self) -> StoredResponse | None:
+        """The interim response when a long-running operation holds the key (outcome
+        accepted), else None."""
+        return self._core.accepted
+
+    @property
+    def response(self) -> StoredResponse | None:
+        """The response this block stored with complete() or accept(), else None."""
+        return self._core.response
+
+    @property
+    def recovery_point(self) -> str | None:
+        """The last recovery point: the resumed key's on entry, then this block's checkpoints."""
+        return self._core.recovery_point
+
+    @property
+    def attempts(self) -> int | None:
+        return self._core.attempts
+
+    @property
+    def lease_token(self) -> int | None:
+        """The lease token while this block owns the key (a worker completes with it after
+        accept()), else None."""
+        return self._core.lease_token
+
+    @property
+    def released(self) -> bool:
+        """True once the block released the key (op.release(), or an early return before any
+        side effect)."""
+        return self._core.released
+
+    @property
+    def max_response_bytes(self) -> int:
+        return self._core.max_response_bytes
+
+    @property
+    def max_headers_bytes(self) -> int:
+        return self._core.max_headers_bytes
+
+    def derive_key(self, step: str) -> str:
+        """The idempotency key for a downstream call made as ``step`` of this operation (see
+        :meth:`OperationCore.derive_key`)."""
+        return self._core.derive_key(step)
+
+    def mark_side_effect(self) -> None:
+        """Say that a side effect may have happened (see
+        :meth:`OperationCore.mark_side_effect`)."""
+        self._core.mark_side_effect()
+
+
 def refuse_managed(conn: Any) -> None:
     """:func:`~pg_idempotency.operation` and ``@idempotent`` commit on ``conn`` themselves (the
     claim alone, then the business transaction with the response). A framework's connection

@@ -25,6 +25,7 @@ from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     OperationCore,
+    OperationFields,
     idempotent_wrapper,
     refuse_managed,
 )
@@ -45,7 +46,7 @@ list_abandoned = make_async(_calls.list_abandoned)
 inbox_accept = make_async(_calls.inbox_accept)
 
 
-class Operation:
+class Operation(OperationFields):
     """One idempotent operation on ``conn``; made by :func:`operation`. See
     :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
@@ -86,11 +87,6 @@ class Operation:
         """A definite failure before any side effect: roll back and release the key (see
         :meth:`pg_idempotency.Operation.release`)."""
         await arun(self.conn, self._core.g_release())
-
-    def __getattr__(self, name: str) -> Any:
-        # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
-        # claim_result, released, derive_key(), mark_side_effect()
-        return getattr(self._core, name)
 
 
 def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,

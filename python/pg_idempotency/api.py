@@ -24,6 +24,7 @@ from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
     OperationCore,
+    OperationFields,
     idempotent_wrapper,
     refuse_managed,
 )
@@ -44,7 +45,7 @@ list_abandoned = make_sync(_calls.list_abandoned)
 inbox_accept = make_sync(_calls.inbox_accept)
 
 
-class Operation:
+class Operation(OperationFields):
     """One idempotent operation on ``conn``; made by :func:`operation`. See
     :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
@@ -87,11 +88,6 @@ class Operation:
         storing): roll the business transaction back and release the key, so that a retry
         runs afresh, even with another request. The block may then return normally."""
         run(self.conn, self._core.g_release())
-
-    def __getattr__(self, name: str) -> Any:
-        # scope, key, outcome, replay, accepted, response, recovery_point, attempts, lease_token,
-        # claim_result, released, derive_key(), mark_side_effect()
-        return getattr(self._core, name)
 
 
 def operation(conn: psycopg.Connection[Any], scope: str, key: str, request: Any = None, *,

@@ -55,7 +55,12 @@ from sqlalchemy.pool import NullPool
 from . import _exec, _wire, aio, contract
 from ._calls import DEFAULT_LEASE
 from ._exec import Call, Gen, Query, Tx, block_outage, translate
-from ._operation import DEFAULT_MAX_HEADERS_BYTES, DEFAULT_MAX_RESPONSE_BYTES, OperationCore
+from ._operation import (
+    DEFAULT_MAX_HEADERS_BYTES,
+    DEFAULT_MAX_RESPONSE_BYTES,
+    OperationCore,
+    OperationFields,
+)
 from ._results import StoredResponse
 from .errors import UsageError
 
@@ -234,14 +239,7 @@ def _outage() -> Iterator[None]:
         raise lost from exc
 
 
-class _Common:
-    _core: OperationCore
-
-    def __getattr__(self, name: str) -> Any:
-        # scope, key, outcome, replay, accepted, response, recovery_point, attempts,
-        # lease_token, claim_result, derive_key(), mark_side_effect()
-        return getattr(self._core, name)
-
+class _Common(OperationFields):
     def _what(self) -> str:
         return f"the operation on key {self._core.key!r}"
 
