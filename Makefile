@@ -11,7 +11,7 @@
 #   make dist    dist/: the sdist, the wheel, and the CREATE EXTENSION files as a tarball
 #   make release VERSION=X.Y.Z   tools/release.py: check, freeze, date, commit, tag
 #                (DRY_RUN=1: the checks alone; docs/releasing.md)
-#   make lint    ruff + sqlfluff
+#   make lint    ruff, mypy (python/) and sqlfluff
 #   make bench   benchmarks (bench/operation.py, bench/instructions.py, bench/run.py, bench/partitions.py,
 #                bench/http.py, bench/retention.py, bench/citus.py), then bench/targets.py:
 #                the cost targets of bench/targets.toml, met or not, the tracked figures, and
@@ -169,6 +169,9 @@ test-user: $(STAMP)
 lint: $(STAMP)
 	$(PY) tools/build.py --check > /dev/null
 	$(VENV)/bin/ruff check -q --no-cache $(RUFF_PATHS)
+	@# python/ as shipped (py.typed); its settings in pyproject.toml, [tool.mypy]; the cache
+	@# under build/, where the test user may write
+	$(VENV)/bin/mypy --cache-dir build/mypy
 	$(VENV)/bin/sqlfluff lint --quiet --dialect postgres --disable-progress-bar $(SQLFLUFF_PATHS)
 
 run: $(STAMP)

@@ -170,7 +170,8 @@ def checkpoint(scope: str, key: str, lease_token: int, recovery_point: str, *,
     row = yield from fenced(checkpoint_query(scope, key, lease_token, recovery_point, extend,
                                                reference_time, Q.CHECKPOINT),
                              scope, key, "checkpoint")
-    return load_time(row["lease_expires_at"])
+    expires: datetime = load_time(row["lease_expires_at"])
+    return expires
 
 
 def heartbeat(scope: str, key: str, lease_token: int, *,
@@ -184,7 +185,8 @@ def heartbeat(scope: str, key: str, lease_token: int, *,
         "scope": scope, "key": key, "lease_token": lease_token, "lease": _interval(lease),
         "reference_time": reference_time,
     }, fenced=True), scope, key, "heartbeat")
-    return load_time(row["lease_expires_at"])
+    expires: datetime = load_time(row["lease_expires_at"])
+    return expires
 
 
 def _complete_query(scope: str, key: str, lease_token: int, status: int, body: Any,
@@ -232,7 +234,8 @@ def complete(scope: str, key: str, lease_token: int, status: int, body: Any = No
     q = _complete_query(scope, key, lease_token, status, body, headers, content_type,
                         reference_time)
     row = yield from fenced(q, scope, key, "complete", {"status": status})
-    return load_time(row["completed_at"])
+    completed_at: datetime = load_time(row["completed_at"])
+    return completed_at
 
 
 def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,
@@ -243,7 +246,8 @@ def accept(scope: str, key: str, lease_token: int, status: int, body: Any = None
     optionally extend the lease. Returns the lease expiry."""
     row = yield from accept_row(scope, key, lease_token, status, body, headers=headers,
                                 lease=lease, reference_time=reference_time)
-    return load_time(row["lease_expires_at"])
+    expires: datetime = load_time(row["lease_expires_at"])
+    return expires
 
 
 def accept_row(scope: str, key: str, lease_token: int, status: int, body: Any = None, *,

@@ -160,9 +160,11 @@ def run(conn: psycopg.Connection[Any], gen: Gen[T]) -> T:
                         conn.execute(Q.BEGIN, prepare=PREPARE)
                 value = None
             elif request is Tx.COMMIT:
-                value = conn.commit()
+                conn.commit()
+                value = None
             else:
-                value = conn.rollback()
+                conn.rollback()
+                value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
             value, send = translate(exc, request), gen.throw
@@ -201,15 +203,15 @@ def execute(conn: psycopg.Connection[Any], q: Query) -> Any:
     with conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
             # the caller's pipeline (opt-in): their writes, complete and COMMIT go together
-            cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+            cur.execute(q.sql, q.params, prepare=PREPARE)
             conn.execute(Q.COMMIT, prepare=PREPARE)
         elif q.commit and PIPELINE:
             # one Sync for both: conn.commit() in a pipeline would send a second one
             with conn.pipeline():
-                cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+                cur.execute(q.sql, q.params, prepare=PREPARE)
                 conn.execute(Q.COMMIT, prepare=PREPARE)
         else:
-            cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+            cur.execute(q.sql, q.params, prepare=PREPARE)
             if q.commit:
                 conn.commit()
         return cur.fetchone() if q.fetch == "one" else cur.fetchall()
@@ -240,14 +242,14 @@ async def aexecute(conn: psycopg.AsyncConnection[Any], q: Query) -> Any:
             return await (ccur.fetchone() if q.fetch == "one" else ccur.fetchall())
     async with conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
         if q.commit and conn.pgconn.pipeline_status != PipelineStatus.OFF:
-            await cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+            await cur.execute(q.sql, q.params, prepare=PREPARE)
             await conn.execute(Q.COMMIT, prepare=PREPARE)
         elif q.commit and PIPELINE:
             async with conn.pipeline():
-                await cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+                await cur.execute(q.sql, q.params, prepare=PREPARE)
                 await conn.execute(Q.COMMIT, prepare=PREPARE)
         else:
-            await cur.execute(q.sql, q.params, prepare=PREPARE)  # type: ignore[arg-type]
+            await cur.execute(q.sql, q.params, prepare=PREPARE)
             if q.commit:
                 await conn.commit()
         return await (cur.fetchone() if q.fetch == "one" else cur.fetchall())
@@ -277,9 +279,11 @@ async def arun(conn: psycopg.AsyncConnection[Any], gen: Gen[T]) -> T:
                         await conn.execute(Q.BEGIN, prepare=PREPARE)
                 value = None
             elif request is Tx.COMMIT:
-                value = await conn.commit()
+                await conn.commit()
+                value = None
             else:
-                value = await conn.rollback()
+                await conn.rollback()
+                value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001
             value, send = translate(exc, request), gen.throw

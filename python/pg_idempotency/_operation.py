@@ -188,7 +188,7 @@ class OperationCore:
         except LeaseLost:
             yield Tx.ROLLBACK
             raise
-        expires = load_time(row["lease_expires_at"])
+        expires: datetime = load_time(row["lease_expires_at"])
         yield Tx.COMMIT
         self._side_effects = True
         self.recovery_point = recovery_point

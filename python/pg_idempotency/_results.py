@@ -220,7 +220,7 @@ def load_time(text: str | datetime | None) -> datetime | None:
     is returned as it is."""
     if text is None:
         return None
-    if type(text) is datetime:
+    if isinstance(text, datetime):
         return text
     try:
         return _EPOCH + _delta(text)

@@ -163,7 +163,7 @@ def _quoted(text: str, conforming: bool) -> str:
     return "'" + text + "'"
 
 
-def conforming_strings(conn: Any) -> bool:
+def conforming_strings(conn: psycopg.BaseConnection[Any]) -> bool:
     """standard_conforming_strings is on for ``conn`` (as libpq last heard from the server)."""
     return conn.pgconn.parameter_status(b"standard_conforming_strings") == b"on"
 
@@ -220,7 +220,7 @@ _ISO_TIME = re.compile(rb"(\d{4})-(\d\d)-(\d\d) (\d\d):(\d\d):(\d\d)(?:\.(\d{1,6
                        rb"([+-])(\d\d)(?::(\d\d))?(?::(\d\d))?")
 
 
-def iso_dates(conn: Any) -> bool:
+def iso_dates(conn: psycopg.BaseConnection[Any]) -> bool:
     """The server prints dates in DateStyle ISO to ``conn`` (as libpq last heard from it: the
     server reports every change of DateStyle, SET LOCAL included, before it is ready for the
     next query)."""
@@ -242,7 +242,8 @@ def iso_time(text: bytes | None) -> datetime | None:
     return local - timedelta(seconds=offset if sign == b"+" else -offset)
 
 
-def commit_text(conn: Any, q: Statement, encoding: str) -> tuple[bytes | None, bool]:
+def commit_text(conn: psycopg.BaseConnection[Any], q: Statement, encoding: str
+                ) -> tuple[bytes | None, bool]:
     """A complete + COMMIT (any statement + COMMIT) as one simple Query's text with its values
     as literals (None: psycopg's ClientCursor renders it), and whether it is the short form,
     whose one column is a timestamptz in DateStyle ISO (queries.COMPLETE_SHORT)."""
@@ -421,13 +422,18 @@ def claim_result_of(res: Any, encoding: str) -> ClaimResult:
     else:
         get = res.get_value
         values = [get(0, i) for i in range(13)]
-    result_outcome = Outcome(bytes(values[0]).decode(encoding))
+    outcome = values[0]
+    if outcome is None:
+        raise psycopg.DataError("claim returned no outcome")
+    result_outcome = Outcome(bytes(outcome).decode(encoding))
     token, expires, recovery_point, attempts = values[1:5]
     retry_after, created_at = values[10], values[11]
     response = None
     if result_outcome is Outcome.REPLAY or result_outcome is Outcome.ACCEPTED:
         (status, headers, body, body_bytes, content_type) = values[5:10]
         completed_at = values[12]
+        if status is None:
+            raise psycopg.DataError(f"claim returned {result_outcome.value} without a status")
         # jsonb in binary: a version byte (1), then the text
         stored = None if body is None else json.loads(bytes(body)[1:].decode(encoding))
         raw = None if body_bytes is None else bytes(body_bytes)

@@ -256,7 +256,8 @@ class IdempotencyMiddleware:
                                max_response_bytes=self.settings.max_response_bytes)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 await op.__aenter__()  # its claim_result says which
-            return op.claim_result  # type: ignore[no-any-return]
+            assert op.claim_result is not None  # set before any of those is raised
+            return op.claim_result
 
         async def pause(seconds: float) -> None:
             await held.give_back()  # no connection is held while polling

@@ -214,7 +214,7 @@ NOT_CONFIRMED = 6
 
 def _key_rows(conn: psycopg.Connection, query: str, params: dict[str, Any]) -> list[dict]:
     with conn.cursor(row_factory=_wire.dict_rows(conn)) as cur:
-        return cur.execute(query, params).fetchall()  # type: ignore[arg-type]
+        return cur.execute(query, params).fetchall()
 
 
 def _jsonable(row: dict) -> dict:
@@ -491,8 +491,9 @@ def _require_schema(conn: psycopg.Connection) -> int:
     try:
         row = conn.execute(queries.SCHEMA_INSTALLED, prepare=False).fetchone()
         present = row[0] if row else False
-        installed = (conn.execute(queries.SCHEMA_VERSION, prepare=False).fetchone()[0]
-                     if present else None)
+        version = (conn.execute(queries.SCHEMA_VERSION, prepare=False).fetchone()
+                   if present else None)
+        installed = version[0] if version else None
     except psycopg.Error as exc:
         raise CliError(f"cannot read the idempotency schema: {_describe(exc)}") from None
     where = f"database {conn.info.dbname!r}"
@@ -512,11 +513,11 @@ def _connect(dsn: str) -> psycopg.Connection:
         params = conninfo_to_dict(dsn)
     except psycopg.Error as exc:
         raise CliError(f"invalid DSN: {_one_line(str(exc))}", status=2) from None
-    for port in (params.get("port") or "").split(","):
+    for port in str(params.get("port") or "").split(","):
         if port and not (port.isdigit() and 1 <= int(port) <= 65535):
             raise CliError(f"invalid DSN: port {port!r} is not a number from 1 to 65535",
                            status=2)
-    kwargs: dict[str, object] = {"application_name": PROG}
+    kwargs: dict[str, Any] = {"application_name": PROG}
     if "application_name" in params:
         kwargs.pop("application_name")
     if "connect_timeout" not in params and not os.environ.get("PGCONNECT_TIMEOUT"):

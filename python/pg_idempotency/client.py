@@ -126,7 +126,9 @@ class RetryingClient(_Base):
         key, hook = self._prepare(key, on_key, kwargs)
         if hook is not None:
             hook(key)  # persisted before anything is sent
-        return Retrying(**self.policy)(self.http.request, method, url, **kwargs)
+        response: httpx.Response = Retrying(**self.policy)(self.http.request, method, url,
+                                                           **kwargs)
+        return response
 
     def post(self, url: str, **kwargs: Any) -> httpx.Response:
         return self.request("POST", url, **kwargs)

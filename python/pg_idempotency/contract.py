@@ -406,7 +406,7 @@ def length_required() -> Answer:
 def body_complete(content_length: str | None, body: bytes) -> bool:
     """Whether ``body`` is as long as the request's Content-Length said (no header: yes)."""
     try:
-        return content_length in (None, "") or len(body) >= int(content_length)  # type: ignore[arg-type]
+        return content_length in (None, "") or len(body) >= int(content_length)
     except ValueError:
         return True
 

@@ -52,7 +52,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from . import _payments_example as payments
+# examples/payments/app.py, which the wheel ships as this module (pyproject.toml)
+from . import _payments_example as payments  # type: ignore[attr-defined]
 from .client import AsyncRetryingClient
 from .migrate import migrate
 
@@ -166,7 +167,9 @@ class DemoProcessor(payments.FakeProcessor):
                 (key, fault.account, amount, currency, f"ch_{uuid.uuid4().hex[:12]}"))
             cur = await conn.execute(
                 f"SELECT charge_id FROM {SCHEMA}.charges WHERE processor_key = %s", (key,))
-            (charge_id,) = await cur.fetchone()  # type: ignore[misc]
+            row = await cur.fetchone()
+            assert row is not None  # inserted above, or by the first attempt
+            charge_id: str = row[0]
         if fault.kind == "kill":
             raise WorkerKilled  # charged, and the worker never hears back
         return charge_id
@@ -208,7 +211,7 @@ def _killed(exc: BaseException) -> bool:
     if isinstance(exc, WorkerKilled):
         return True
     return bool(_GROUP) and isinstance(exc, _GROUP) and all(
-        _killed(e) for e in exc.exceptions)  # type: ignore[attr-defined]
+        _killed(e) for e in exc.exceptions)
 
 
 class Front:

@@ -376,11 +376,11 @@ def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
         return DatabaseUnavailable(f"the database is unavailable: {reason}", pgerror=exc)
     diag = exc.diag
     message = diag.message_primary or str(exc)
-    extra = {"detail": diag.message_detail, "hint": diag.message_hint, "pgerror": exc}
+    detail, hint = diag.message_detail, diag.message_hint
     if lease_token and state in _LEASE_LOST_BY_SQLSTATE:
-        return _LEASE_LOST_BY_SQLSTATE[state](message, **extra)
+        return _LEASE_LOST_BY_SQLSTATE[state](message, detail=detail, hint=hint, pgerror=exc)
     if state in _BY_SQLSTATE:
-        return _BY_SQLSTATE[state](message, **extra)
+        return _BY_SQLSTATE[state](message, detail=detail, hint=hint, pgerror=exc)
     if state in _INVALID_BY_SQLSTATE:
         function = message.split(":", 1)[0] if ":" in message else ""
         # The COLUMN field names the argument; Citus passes an error raised on a worker on
@@ -389,5 +389,6 @@ def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
         if argument is None:
             found = _ARGUMENT_RE.search(message)
             argument = found.group(1) if found else None
-        return _INVALID_BY_SQLSTATE[state](function, argument, state, message, **extra)
+        return _INVALID_BY_SQLSTATE[state](function, argument, state, message, detail=detail,
+                                           hint=hint, pgerror=exc)
     return exc

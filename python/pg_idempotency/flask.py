@@ -139,7 +139,8 @@ class _Keyed:
                                max_response_bytes=self.settings.max_response_bytes)
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 op.__enter__()  # its claim_result says which
-            return op.claim_result  # type: ignore[no-any-return]
+            assert op.claim_result is not None  # set before any of those is raised
+            return op.claim_result
 
         def pause(seconds: float) -> None:
             held.close()  # no connection is held while polling

@@ -54,7 +54,7 @@ def install_pgmq(conn: psycopg.Connection[Any]) -> bool:
         row = conn.execute(Q.PGMQ_INSTALLED, prepare=_exec.PREPARE).fetchone()
         if row and row[0]:
             return False
-        conn.execute(get_embedded_install_sql(), prepare=_exec.PREPARE)  # type: ignore[arg-type]  # a whole script
+        conn.execute(get_embedded_install_sql(), prepare=_exec.PREPARE)
     return True
 
 

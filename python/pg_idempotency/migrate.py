@@ -169,7 +169,7 @@ def migrate(conn: psycopg.Connection) -> list[int]:
                 continue
             # No parameters: sent as one simple-protocol query, so the many statements of the
             # file run as they are (and '%' in it is not taken for a placeholder).
-            conn.execute(sql.SQL(migration.sql), prepare=False)  # type: ignore[arg-type]  # not LiteralString
+            conn.execute(sql.SQL(migration.sql), prepare=False)
             if not _is_applied(conn, migration.version):
                 raise MigrationError(
                     f"migration {migration.name} did not record version {migration.version} "

@@ -56,7 +56,7 @@ if ENABLED:
     # Proxies until the application sets its providers (before or after this import), then
     # the real ones: nothing here depends on the order.
     _tracer = _trace.get_tracer(NAME, _VERSION)
-    _meter = _metrics.get_meter(NAME, _VERSION)
+    _meter = _metrics.get_meter(NAME, _VERSION or "")  # (its default: no version)
     _calls = _meter.create_counter(
         "pg_idempotency.calls", unit="{call}",
         description="Calls of the idempotency SQL API, by call and outcome")

@@ -355,7 +355,8 @@ def idempotent(view: Callable[..., HttpResponse] | None = None, *,
                            route)
 
         alias = using or getattr(settings, "PG_IDEMPOTENCY", {}).get("USING", DEFAULT_DB_ALIAS)
-        return transaction.non_atomic_requests(using=alias)(wrapper)
+        view_fn: Callable[..., Any] = transaction.non_atomic_requests(using=alias)(wrapper)
+        return view_fn
 
     return decorate(view) if view is not None else decorate
 

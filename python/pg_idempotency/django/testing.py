@@ -13,7 +13,7 @@ cannot be tested this way.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -41,3 +41,4 @@ class IdempotencyTestCaseMixin:
         super()._callSetUp()  # type: ignore[misc]
 
     _pg_idem_cm: Any
+    addCleanup: Callable[..., None]  # TestCase's, next in the MRO

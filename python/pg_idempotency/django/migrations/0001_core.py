@@ -4,5 +4,5 @@ from pg_idempotency.django.operations import ApplyBundledMigration
 
 
 class Migration(migrations.Migration):
-    dependencies = []
+    dependencies: list[tuple[str, str]] = []
     operations = [ApplyBundledMigration("0001_core")]
