@@ -42,9 +42,10 @@ T = TypeVar("T")
 #: transaction-mode pooler (pgbouncer) the server connection changes between transactions, so
 #: a name prepared by one client can be executed by another: in issue 13 one client's
 #: heartbeat() ran another's prepared release() and deleted its key. Unnamed statements (Parse
-#: and Bind of "") live for one statement only. The cost is measured in docs/benchmarks.md
-#: (bench/prepare.py). Tests set it to None (psycopg's default) to show what it prevents.
-#: allow_prepared_statements() sets it, for processes with no such pooler in between.
+#: and Bind of "") live for one statement only; bench/prepare.py measures what that costs
+#: (docs/design.md, "Performance decisions"). Tests set it to None (psycopg's default) to show
+#: what it prevents. allow_prepared_statements() sets it, for processes with no such pooler in
+#: between.
 PREPARE: bool | None = False
 
 
@@ -53,11 +54,10 @@ def allow_prepared_statements(allowed: bool = True) -> None:
     says (``allowed=True``), or never (``False``: the default). For the whole process.
 
     Preparing saves the server the parse and plan of every call (claim and complete are
-    function calls with a dozen casts and columns: about 75 µs of server CPU for a claim and
-    140 µs for claim + complete on PostgreSQL 15, docs/benchmarks.md). Allow it only when no
-    transaction-mode pooler (pgbouncer before 1.21 without ``max_prepared_statements``) sits
-    between this process and the server: there a statement prepared by one client can run as
-    another's (docs/install.md, "Connection poolers"). A connection with
+    function calls with a dozen casts and columns; bench/prepare.py measures it). Allow it only
+    when no transaction-mode pooler (pgbouncer before 1.21 without ``max_prepared_statements``)
+    sits between this process and the server: there a statement prepared by one client can run
+    as another's (docs/install.md, "Connection poolers"). A connection with
     ``prepare_threshold=None`` still prepares nothing."""
     if not isinstance(allowed, bool):
         raise TypeError(f"allow_prepared_statements: allowed must be True or False, "

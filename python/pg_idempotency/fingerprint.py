@@ -376,8 +376,8 @@ _LOADS_NO_FLOAT = json.JSONDecoder(parse_float=_no_float).decode
 
 def _canonical_text(value: Any, fn: str, argument: str) -> str:
     """:func:`_canonical` of ``value``, by the C encoder when that provably gives the same text
-    (a payment request: a few µs instead of tens), else by :func:`_canonical` itself, which
-    also says what is wrong. The C encoder's text is _canonical's when it holds no float (a
+    (the common case: a payment request), else by :func:`_canonical` itself, which also says
+    what is wrong. The C encoder's text is _canonical's when it holds no float (a
     float is written by repr, _canonical writes numeric's text), every object key is a string
     (the encoder turns 1, True and None keys into strings), no string holds U+0000 or an
     unpaired surrogate, and nothing nests deeper than MAX_DEPTH. The text read back without

@@ -58,8 +58,8 @@ SELECT {_CLAIM_COLUMNS} FROM idempotency.takeover(
 # loader involved. Binary timestamptz and interval are numbers whatever the DateStyle,
 # IntervalStyle and TimeZone, and no loader an application registered (for text, jsonb, the
 # times) sees them; the server neither converts 13 columns to text nor parses and plans the
-# conversions (issue 32: about an eighth of claim's server CPU, unprepared). Named columns, not
-# *: a statement prepared by the opt-in (allow_prepared_statements) keeps its result when a
+# conversions (issue 32; docs/design.md, "Performance decisions"). Named columns, not *: a
+# statement prepared by the opt-in (allow_prepared_statements) keeps its result when a
 # migration widens claim_result. CLAIM and TAKEOVER above stay for drivers that read rows
 # through loaders (the SQLAlchemy session's).
 _BINARY_COLUMNS = """outcome, lease_token, lease_expires_at, recovery_point, attempts,
@@ -78,10 +78,10 @@ SELECT {_BINARY_COLUMNS} FROM idempotency.claim(
 # select list, so that claim_result comes back as one composite value (in binary: its columns
 # in their order, each with its type's OID, which _wire.claim_result_of reads by position; a
 # column a later migration appends comes after them). Parse, analysis and planning of this
-# text cost the server about 110,000 CPU instructions less per claim than CLAIM_BINARY's
-# (named notation, casts, 13 named columns), and the select-list call about 56,000 less than
-# the same call in FROM, whose function scan keeps its row in a tuplestore
-# (bench/profile_sql.py --callgrind-texts, docs/benchmarks.md). Citus delegates it to the
+# text cost the server less than CLAIM_BINARY's (named notation, casts, 13 named columns), and
+# the select-list call less than the same call in FROM, whose function scan keeps its row in a
+# tuplestore (bench/profile_sql.py --callgrind-texts measures both; docs/design.md,
+# "Performance decisions"). Citus delegates it to the
 # scope's worker as it does the FROM form. It relies on what CLAIM_BINARY's named notation and
 # casts do not: claim keeps its first seven arguments in this order (the engine only appends
 # defaulted ones) and has no overload. A prepared statement (the opt-in) and the cursor's
@@ -136,10 +136,10 @@ FROM idempotency.complete_bytes(
 # What the package's own sends run for COMPLETE and COMPLETE_BYTES + COMMIT (_wire.send_commit, a
 # simple Query with literals) when the session prints dates in DateStyle ISO, as libpq last
 # heard from the server: the call positionally, with untyped literals, in the select list, its
-# timestamptz as the server prints it, which _wire.iso_time reads in every TimeZone. About
-# 130,000 server CPU instructions less per complete than COMPLETE_BYTES' named, cast, epoch
-# converting text (bench/profile_sql.py --callgrind-texts). Under another DateStyle the package
-# sends COMPLETE_BYTES, whose epoch is the same in any. The same conditions as CLAIM_SHORT:
+# timestamptz as the server prints it, which _wire.iso_time reads in every TimeZone. Less for
+# the server to parse and plan than COMPLETE_BYTES' named, cast, epoch converting text
+# (bench/profile_sql.py --callgrind-texts). Under another DateStyle the package sends
+# COMPLETE_BYTES, whose epoch is the same in any. The same conditions as CLAIM_SHORT:
 # arguments only appended, no overload.
 COMPLETE_SHORT: Final = """
 SELECT idempotency.complete(

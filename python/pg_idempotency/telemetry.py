@@ -20,8 +20,8 @@ same way, with no code of its own:
 
 Without ``opentelemetry-api`` installed, :data:`ENABLED` is False and :func:`start` returns
 None at the cost of one global lookup: nothing else runs. With the API and no SDK, the API's
-no-op tracer and meter do nothing but cost a few microseconds per call (bench/otel.py,
-docs/benchmarks.md).
+no-op tracer and meter do nothing but still cost a little per call (bench/otel.py measures
+it).
 """
 
 from __future__ import annotations
