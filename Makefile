@@ -34,7 +34,7 @@ STAMP  := $(VENV)/.installed
 
 DEB_PKGS    := postgresql-15 postgresql-15-pgtap postgresql-15-plpgsql-check \
                postgresql-15-cron postgresql-15-partman pgbouncer
-# The Prometheus postgres exporter and promtool (tests/test_prometheus.py, monitoring/).
+# The Prometheus postgres exporter and promtool (tests/server/test_prometheus.py, monitoring/).
 DEB_PKGS    += prometheus-postgres-exporter prometheus
 # The Java, Go and Ruby conformance runners and their drivers (tests/conformance/*/).
 DEB_PKGS    += openjdk-17-jdk-headless libpostgresql-jdbc-java \
@@ -52,7 +52,7 @@ WHEEL_INPUTS := pyproject.toml $(wildcard README.md LICENSE) \
 	$(shell find python migrations examples/payments -not -path '*/__pycache__*' -not -name '*.pyc' 2>/dev/null)
 # make dist's files. The wheel is tested as users get it: make test installs it into a
 # virtualenv of its own, build/wheel-venv (outside the package's source, made from the wheel
-# alone), where tests/test_wheel.py runs the demo and a smoke test.
+# alone), where tests/release/test_wheel.py runs the demo and a smoke test.
 PKG_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 WHEEL       := dist/pg_idempotency-$(PKG_VERSION)-py3-none-any.whl
 SDIST       := dist/pg_idempotency-$(PKG_VERSION).tar.gz
@@ -210,7 +210,7 @@ $(EXT_TARBALL): build-ext
 	tar -C build -czf $@ extension
 
 # A virtualenv with nothing but the built wheel and its demo extra (from the package index),
-# made again when the wheel changes: tests/test_wheel.py runs what users install.
+# made again when the wheel changes: tests/release/test_wheel.py runs what users install.
 wheel-venv: $(WHEEL_VENV)/.installed
 $(WHEEL_VENV)/.installed: $(WHEEL)
 	rm -rf $(WHEEL_VENV)

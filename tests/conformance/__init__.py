@@ -362,7 +362,7 @@ def vectors_scenario() -> dict[str, Any]:
                        "fingerprint and derive_key give them, and the invalid inputs are "
                        "refused with their SQLSTATE and argument.",
         "generated_by": "tests/conformance/__init__.py vectors_scenario(); "
-                        "tests/test_conformance.py checks it is current",
+                        "tests/conformance/test_conformance.py checks it is current",
         "steps": steps,
     }
 
