@@ -27,12 +27,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, sqlstate
+from helpers.citus import Cluster, installed
 from psycopg import sql
 
 import conformance as conf
 import pg_idempotency as idem
 from conformance import langs, psqlrunner, pyrunner
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 from pg_idempotency import aio
 from pg_idempotency.errors import from_psycopg
 from pgharness import WAIT_BOUND, wait_until
@@ -43,61 +44,6 @@ IDS = [p.stem for p in FILES]
 
 
 # -- fixtures ---------------------------------------------------------------------------------
-
-class Cluster:
-    """One database on every node of the session's cluster, installed and distributed."""
-
-    def __init__(self, cluster: Any, db: str) -> None:
-        self.cluster = cluster
-        self.db = db
-        self.coordinator = cluster.coordinator
-        self.workers = list(cluster.workers)
-
-    @property
-    def dsn(self) -> str:
-        return self.coordinator.dsn(self.db)
-
-    def worker_dsns(self) -> list[str]:
-        return [w.dsn(self.db) for w in self.workers]
-
-    def shard_of(self, scope: str) -> tuple[int, int]:
-        """scope's shard of keys and the port of the worker that holds it."""
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            return conn.execute(
-                "SELECT shardid, nodeport FROM citus_shards"
-                " WHERE table_name = 'idempotency.keys'::regclass"
-                " AND shardid = get_shard_id_for_distribution_column('idempotency.keys', %s::text)",
-                (scope,)).fetchone()
-
-    def node_of(self, scope: str) -> str:
-        """DSN of the worker that holds scope's shard of keys."""
-        port = self.shard_of(scope)[1]
-        return next(w.dsn(self.db) for w in self.workers if w.port == port)
-
-
-def installed(citus_cluster: Any, prefix: str, shards: int) -> Cluster:
-    """A new database on every node, installed as docs/scale-out.md says: the migrations on the
-    coordinator, then distribute(shards)."""
-    db = f"{prefix}_{uuid.uuid4().hex[:8]}"
-    citus_cluster.create_database(db)
-    c = Cluster(citus_cluster, db)
-    for migration in sorted(MIGRATIONS.glob("*.sql")):
-        c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
-    with psycopg.connect(c.dsn, autocommit=True) as conn:
-        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s)",
-                            (shards,)).fetchall()
-    assert ("idempotency.keys", "distributed by scope") in done
-    return c
-
-
-def synchronous_commit(cluster: Cluster, value: str) -> None:
-    """``synchronous_commit`` for the sessions opened from now on in the cluster's database,
-    on every node (Citus does not propagate ALTER DATABASE ... SET to the workers)."""
-    for node in cluster.cluster.nodes:
-        with psycopg.connect(node.dsn(cluster.db), autocommit=True) as conn:
-            conn.execute("SET citus.enable_ddl_propagation = off")
-            conn.execute(sql.SQL("ALTER DATABASE {} SET synchronous_commit = {}").format(
-                sql.Identifier(cluster.db), sql.SQL(value)))
 
 
 @pytest.fixture(scope="session")
@@ -118,15 +64,6 @@ def _claim(dsn: str, scope: str, key: str, request: str = "{}", **kw: Any) -> tu
             "SELECT outcome, lease_token, attempts FROM idempotency.claim("
             f"%(scope)s, %(key)s, %(request)s::jsonb{extra})",
             {"scope": scope, "key": key, "request": request, **kw}).fetchone()
-
-
-def _sqlstate(dsn: str, query: str, params: Any = None) -> str | None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        try:
-            conn.execute(query, params)
-        except psycopg.Error as exc:
-            return exc.sqlstate
-    return None
 
 
 # -- the install -------------------------------------------------------------------------------
@@ -560,7 +497,7 @@ def test_distribute_says_when_citus_is_absent(citus_cluster: Any) -> None:
     try:
         for migration in sorted(MIGRATIONS.glob("*.sql")):
             coord.run_psql(coord.dsn(db), migration, args=MIGRATION_PSQL_ARGS)
-        assert _sqlstate(coord.dsn(db), "SELECT idempotency.distribute()") == "IK021"
+        assert sqlstate(coord.dsn(db), "SELECT idempotency.distribute()") == "IK021"
         assert _claim(coord.dsn(db), "s", "k")[0] == "claimed"
     finally:
         with psycopg.connect(coord.dsn("postgres"), autocommit=True) as conn:
@@ -573,7 +510,7 @@ def test_distribute_on_a_worker_says_so(citus: Cluster) -> None:
     for dsn in citus.worker_dsns():
         with psycopg.connect(dsn, autocommit=True) as conn:
             before = conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone()
-        assert _sqlstate(dsn, "SELECT idempotency.distribute()") == "IK022"
+        assert sqlstate(dsn, "SELECT idempotency.distribute()") == "IK022"
         with psycopg.connect(dsn, autocommit=True) as conn:
             assert conn.execute("SELECT count(*) FROM pg_dist_partition").fetchone() == before
 
@@ -685,7 +622,7 @@ def test_tokens_grow_with_every_owner_and_stale_owners_are_refused(citus: Cluste
     }
     for name, query in stale_calls.items():
         for token in tokens:
-            assert _sqlstate(citus.dsn, query, (scope, key, token)) == "IK001", (name, token)
+            assert sqlstate(citus.dsn, query, (scope, key, token)) == "IK001", (name, token)
     # The current owner still owns it.
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
         conn.execute("SELECT idempotency.complete(%s, %s, %s, 201, '{}')", (scope, key, new[1]))
@@ -883,8 +820,7 @@ def test_asgi_middleware_through_the_coordinator(citus_cluster: Any) -> None:
     import asyncio
 
     import httpx
-
-    from payments_helpers import payments, uvicorn_server
+    from helpers.http import payments, uvicorn_server
 
     c = installed(citus_cluster, "idem_mw", 4)
     processor = payments.FakeProcessor(delay=0.3)
@@ -1109,7 +1045,7 @@ def test_other_runners_through_the_coordinator(conformance_citus: str,
                                                lang: str) -> None:
     """Node, Java, Go and Ruby: every scenario, each runner in one process."""
     if lang == "node":
-        from test_conformance import run_node
+        from conformance.langs import run_node
         code, results, stderr = run_node(conformance_citus, citus_scenario_files)
     else:
         code, results, stderr = langs.run_runner(lang, conformance_citus, citus_scenario_files)

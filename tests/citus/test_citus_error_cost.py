@@ -9,19 +9,14 @@ is measured in both forms: the raising heartbeat / checkpoint / release (IK001) 
 
 from __future__ import annotations
 
-import statistics
-import time
 import uuid
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
-from test_citus import installed
-
-from pgharness import wait_until
-
-CALLS = 30
+from helpers import sqlstate
+from helpers.citus import _measure, installed
 
 
 def _scope() -> str:
@@ -31,54 +26,6 @@ def _scope() -> str:
 @pytest.fixture(scope="module")
 def cost_cluster(citus_cluster: Any) -> Any:
     return installed(citus_cluster, "idem_cost", 4)
-
-
-def _others(watchers: list[psycopg.Connection[Any]]) -> set[tuple[int, int]]:
-    return {(i, pid) for i, conn in enumerate(watchers) for (pid,) in conn.execute(
-        "SELECT pid FROM pg_stat_activity WHERE datname = current_database()"
-        " AND pid <> pg_backend_pid() AND backend_type = 'client backend'").fetchall()}
-
-
-def _sessions(watchers: list[psycopg.Connection[Any]], baseline: set[tuple[int, int]]) -> int:
-    """Sessions ever started in this database on the workers (pg_stat_database.sessions),
-    once every backend not in ``baseline`` has ended (and so flushed its statistics)."""
-    wait_until(lambda: _others(watchers) <= baseline, "the worker backends to end",
-               interval=0.05)
-    total = 0
-    for conn in watchers:
-        conn.execute("SELECT pg_stat_clear_snapshot()")
-        total += conn.execute("SELECT sessions FROM pg_stat_database"
-                              " WHERE datname = current_database()").fetchone()[0]
-    return total
-
-
-def _measure(cluster: Any, call: Callable[[psycopg.Connection[Any]], str | None],
-             dsn: str | None = None) -> tuple[float, float, list[str | None]]:
-    """New worker sessions per call and the median call time in ms, over CALLS calls in one
-    coordinator session (``dsn``, by default the owner's; its first call opens the worker
-    connection in any case: not counted); and the answers (what ``call`` returns)."""
-    watchers = [psycopg.connect(w.dsn(cluster.db), autocommit=True) for w in cluster.workers]
-    baseline = _others(watchers)
-    before = _sessions(watchers, baseline)
-    answers, times = [], []
-    with psycopg.connect(dsn or cluster.dsn, autocommit=True) as conn:
-        call(conn)
-        for _ in range(CALLS):
-            start = time.perf_counter()
-            answers.append(call(conn))
-            times.append((time.perf_counter() - start) * 1000)
-    new = _sessions(watchers, baseline) - before - 1
-    for w in watchers:
-        w.close()
-    return new / CALLS, statistics.median(times), answers
-
-
-def _sqlstate(conn: psycopg.Connection[Any], query: str, params: Any) -> str | None:
-    try:
-        conn.execute(query, params)
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
 
 
 def _outcome(conn: psycopg.Connection[Any], query: str, params: Any) -> str | None:
@@ -99,39 +46,39 @@ def test_an_error_on_a_worker_costs_a_new_worker_connection(cost_cluster: Any) -
         conn.execute("SELECT idempotency.complete(%s, 'done', %s, 201, '{}')", (scope, done))
 
     cases: dict[str, tuple[Callable[[psycopg.Connection[Any]], str | None], str | None]] = {
-        "heartbeat, right token": (lambda c: _sqlstate(
+        "heartbeat, right token": (lambda c: sqlstate(
             c, "SELECT idempotency.heartbeat(%s, 'held', %s)", (scope, token)), None),
-        "heartbeat, wrong token (IK001)": (lambda c: _sqlstate(
+        "heartbeat, wrong token (IK001)": (lambda c: sqlstate(
             c, "SELECT idempotency.heartbeat(%s, 'held', %s)", (scope, token + 1)), "IK001"),
         "heartbeat_outcome, wrong token (lease_lost)": (lambda c: _outcome(
             c, "SELECT outcome FROM idempotency.heartbeat_outcome(%s, 'held', %s)",
             (scope, token + 1)), "lease_lost"),
-        "checkpoint, wrong token (IK001)": (lambda c: _sqlstate(
+        "checkpoint, wrong token (IK001)": (lambda c: sqlstate(
             c, "SELECT idempotency.checkpoint(%s, 'held', %s, 'r')", (scope, token + 1)),
             "IK001"),
         "checkpoint_outcome, wrong token (lease_lost)": (lambda c: _outcome(
             c, "SELECT outcome FROM idempotency.checkpoint_outcome(%s, 'held', %s, 'r')",
             (scope, token + 1)), "lease_lost"),
-        "release, wrong token (IK001)": (lambda c: _sqlstate(
+        "release, wrong token (IK001)": (lambda c: sqlstate(
             c, "SELECT idempotency.release(%s, 'held', %s)", (scope, token + 1)), "IK001"),
         "release_outcome, wrong token (lease_lost)": (lambda c: _outcome(
             c, "SELECT outcome FROM idempotency.release_outcome(%s, 'held', %s)",
             (scope, token + 1)), "lease_lost"),
-        "complete, wrong token (IK001)": (lambda c: _sqlstate(
+        "complete, wrong token (IK001)": (lambda c: sqlstate(
             c, "SELECT idempotency.complete(%s, 'held', %s, 200, '{}')", (scope, token + 1)),
             "IK001"),
-        "claim of a held key (outcome in_progress)": (lambda c: _sqlstate(
+        "claim of a held key (outcome in_progress)": (lambda c: sqlstate(
             c, "SELECT outcome FROM idempotency.claim(%s, 'held', '{}')", (scope,)), None),
-        "claim of a completed key (outcome replay)": (lambda c: _sqlstate(
+        "claim of a completed key (outcome replay)": (lambda c: sqlstate(
             c, "SELECT outcome FROM idempotency.claim(%s, 'done', '{\"a\": 1}')", (scope,)),
             None),
-        "claim, other request (outcome mismatch)": (lambda c: _sqlstate(
+        "claim, other request (outcome mismatch)": (lambda c: sqlstate(
             c, "SELECT outcome FROM idempotency.claim(%s, 'done', '{\"a\": 2}')", (scope,)),
             None),
-        "claim strict, other request (IK002)": (lambda c: _sqlstate(
+        "claim strict, other request (IK002)": (lambda c: sqlstate(
             c, "SELECT outcome FROM idempotency.claim(%s, 'done', '{\"a\": 2}', strict => true)",
             (scope,)), "IK002"),
-        "claim, bad lease (IK014)": (lambda c: _sqlstate(
+        "claim, bad lease (IK014)": (lambda c: sqlstate(
             c, "SELECT outcome FROM idempotency.claim(%s, 'x', '{}', lease => '0 s')",
             (scope,)), "IK014"),
     }

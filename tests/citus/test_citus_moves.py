@@ -46,8 +46,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers.citus import Cluster, installed, synchronous_commit
 from psycopg import sql
-from test_citus import Cluster, installed, synchronous_commit
 
 import pg_idempotency as idem
 from pgharness import WAIT_BOUND, wait_until

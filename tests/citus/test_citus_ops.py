@@ -20,11 +20,11 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 from pgharness import wait_until
 
 SCOPES = [f"tenant_{i}" for i in range(6)]

@@ -30,8 +30,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers.citus import Cluster, installed, synchronous_commit
 from psycopg import sql
-from test_citus import Cluster, installed, synchronous_commit
 
 import pg_idempotency as idem
 from pg_idempotency.errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, is_unavailable

@@ -33,15 +33,13 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, sqlstate
+from helpers.citus import CALLS, Cluster, Secured, _measure, _others, _sessions, installed
 from psycopg import sql
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import ConnectionPool
-from test_citus import Cluster, installed
-from test_citus_error_cost import CALLS, _measure, _others, _sessions
-from test_citus_security import Secured
 
 import pg_idempotency as idem
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 from pg_idempotency import errors
 from pg_idempotency import queries as Q
 from pg_idempotency.client import RetryingClient
@@ -155,12 +153,12 @@ def test_a_lost_lease_as_an_outcome_costs_no_worker_connection(env: Env) -> None
         "release_outcome": (lambda c: c.execute(
             "SELECT outcome FROM idempotency.release_outcome(%s, 'held', %s)",
             (raw, stale[raw])).fetchone()[0], "lease_lost", 0),
-        "heartbeat (raising)": (lambda c: _sqlstate(
+        "heartbeat (raising)": (lambda c: sqlstate(
             c, "SELECT idempotency.heartbeat(%s, 'held', %s)", (raw, stale[raw])), "IK001", 1),
-        "checkpoint (raising)": (lambda c: _sqlstate(
+        "checkpoint (raising)": (lambda c: sqlstate(
             c, "SELECT idempotency.checkpoint(%s, 'held', %s, 'r')", (raw, stale[raw])),
             "IK001", 1),
-        "release (raising)": (lambda c: _sqlstate(
+        "release (raising)": (lambda c: sqlstate(
             c, "SELECT idempotency.release(%s, 'held', %s)", (raw, stale[raw])), "IK001", 1),
     }
     report = []
@@ -219,14 +217,6 @@ def test_the_outcome_forms_run_on_the_scopes_worker_in_one_hop(env: Env) -> None
                             if "idempotency.keys" in c or "key_directory" in c], issued
             if not autocommit:
                 conn.rollback()
-
-
-def _sqlstate(conn: psycopg.Connection[Any], query: str, params: Any) -> str | None:
-    try:
-        conn.execute(query, params)
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
 
 
 def test_op_checkpoint_after_a_takeover_rolls_the_colocated_write_back(env: Env) -> None:

@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+from helpers.citus import Secured, installed
 from psycopg import sql
-from test_citus import Cluster, installed
 
 ROWS = "rows"
 # (id, statements, expected answer). {s} is a fresh scope, {k} a key; the statements run in
@@ -194,54 +193,6 @@ SHAPES: list[tuple[str, list[str], Any]] = [
      "IK012"),
 ]
 ENTRY_POINTS = ["coordinator", "worker1", "worker2"]
-
-
-class Secured:
-    """The database the shapes run in, its request role, and a watching superuser session
-    on every node opened before any shape runs."""
-
-    def __init__(self, cluster: Cluster, role: str) -> None:
-        self.cluster = cluster
-        self.role = role
-        self.nodes = {"coordinator": cluster.coordinator, "worker1": cluster.workers[0],
-                      "worker2": cluster.workers[1]}
-        self.watchers = {name: psycopg.connect(node.dsn(cluster.db), autocommit=True)
-                         for name, node in self.nodes.items()}
-        self.backend_pids = {name: self._backend_pid(name) for name in self.nodes}
-        self.postmaster_pids = {name: self._postmaster_pid(name) for name in self.nodes}
-        self.log_sizes = {name: self._log(name).stat().st_size for name in self.nodes}
-
-    def _backend_pid(self, name: str) -> int:
-        return self.watchers[name].execute("SELECT pg_backend_pid()").fetchone()[0]
-
-    def _postmaster_pid(self, name: str) -> int:
-        return int((self.nodes[name].datadir / "postmaster.pid").read_text().split()[0])
-
-    def _log(self, name: str) -> Path:
-        (log,) = self.nodes[name].tmpdir.glob("*.log")
-        return log
-
-    def crashes(self, name: str) -> list[str]:
-        """Lines the node logged since the fixture started that report a crashed backend."""
-        with self._log(name).open(errors="replace") as f:
-            f.seek(self.log_sizes[name])
-            return [line.strip() for line in f if "terminated by signal" in line]
-
-    def assert_every_node_up(self) -> None:
-        # A crash restart first ends every session, then refuses connections during crash
-        # recovery: a new connection that succeeds means any restart has already cut the
-        # watchers, so a watcher that still answers with its pid proves there was none.
-        for node in self.nodes.values():
-            with psycopg.connect(node.dsn(self.cluster.db), autocommit=True) as conn:
-                conn.execute("SELECT 1")
-        for name in self.nodes:
-            assert self._backend_pid(name) == self.backend_pids[name], name
-            assert self._postmaster_pid(name) == self.postmaster_pids[name], name
-            assert self.crashes(name) == [], name
-
-    def close(self) -> None:
-        for conn in self.watchers.values():
-            conn.close()
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
-from conformance import API_FILE, HERE, count_failures, load_scenario
+from conformance import API_FILE, HERE, NODE_DIR, count_failures, load_scenario, node_command
 from pgharness import WAIT_BOUND
 
 ROOT = HERE.parent.parent
@@ -137,4 +137,11 @@ def run_runner(lang: str, dsn: str, files: list[Path],
     """Run one runner over ``files``: (exit code, failures by scenario name, stderr)."""
     proc = subprocess.run([*runner_command(lang), str(API_FILE), dsn, *map(str, files)],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    return proc.returncode, read_results(proc.stdout, files), proc.stderr
+
+
+def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], str]:
+    """The Node.js runner over ``files`` in one process: exit code, failures by scenario, stderr."""
+    proc = subprocess.run([*node_command(), dsn, *map(str, files)], capture_output=True,
+                          text=True, timeout=WAIT_BOUND, cwd=NODE_DIR)
     return proc.returncode, read_results(proc.stdout, files), proc.stderr

@@ -15,11 +15,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute
+from helpers.servers import ServerPool
 from psycopg import sql
 
 import conformance as conf
 from conformance import langs, psqlrunner, pyrunner
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute
+from conformance.langs import run_node
 from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -42,12 +44,6 @@ def conformance_dsn(server: PgServer, server_pool: ServerPool) -> Iterator[str]:
     yield dsn
     admin_execute(server, sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
         sql.Identifier(name)))
-
-
-def run_node(dsn: str, files: list[Path]) -> tuple[int, dict[str, list[str]], str]:
-    proc = subprocess.run([*conf.node_command(), dsn, *map(str, files)], capture_output=True,
-                          text=True, timeout=WAIT_BOUND, cwd=conf.NODE_DIR)
-    return proc.returncode, langs.read_results(proc.stdout, files), proc.stderr
 
 
 @pytest.fixture(scope="session")
@@ -122,10 +118,11 @@ def test_scenarios_cover_every_outcome_error_and_function() -> None:
     # IK021 (distribute() without Citus) and IK022 (distribute() on a Citus worker) belong to the
     # install, not to the lifecycle: no scenario can raise either one both on a single server and
     # through a Citus coordinator. tests/citus/test_citus.py raises both (distribute() on a
-    # database without the extension, and on a worker); tests/release/test_install.py raises IK021.
-    # IK018 needs a body over the smallest limit a setting allows (64 KiB) and IK023 a completer
-    # role limited to scopes: tests/sql/test_bounds_sql.py and tests/sql/test_completer_scopes.py raise
-    # them as the application roles, on one server and on Citus.
+    # database without the extension, and on a worker); tests/release/test_install.py raises
+    # IK021. IK018 needs a body over the smallest limit a setting allows (64 KiB) and IK023 a
+    # completer role limited to scopes: tests/sql/test_bounds_sql.py and
+    # tests/sql/test_completer_scopes.py raise them as the application roles, on one server and
+    # on Citus.
     install_only = {"IK018", "IK021", "IK022", "IK023"}
     assert install_only <= documented, documented
     assert documented - install_only <= codes, (

@@ -16,13 +16,13 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from helpers.http import lifespan, payments
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from payments_helpers import lifespan, payments
 from pg_idempotency.asgi import IdempotencyMiddleware, get_operation
 from pgharness import WAIT_BOUND
 

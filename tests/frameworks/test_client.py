@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.http import ledger_rows, lifespan, payments, uvicorn_server
 
-from payments_helpers import ledger_rows, lifespan, payments, uvicorn_server
 from pg_idempotency.client import AsyncRetryingClient, RetryingClient, retry_after_seconds
 
 pytestmark = pytest.mark.anyio

@@ -15,24 +15,12 @@ import unittest
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import httpx
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
-
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "django_payments"
-sys.path.insert(0, str(EXAMPLE))
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "payments_site.settings")
-
-import django  # noqa: E402
 from django.conf import settings  # noqa: E402
-
-django.setup()
-
 from django.core.management import call_command  # noqa: E402
 from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler  # noqa: E402
 from django.core.wsgi import get_wsgi_application  # noqa: E402
@@ -40,8 +28,11 @@ from django.db import connections, transaction  # noqa: E402
 from django.db.transaction import TransactionManagementError  # noqa: E402
 from django.http import HttpResponse, JsonResponse  # noqa: E402
 from django.test import Client, TestCase, override_settings  # noqa: E402
+from helpers.django_example import BODY, EXAMPLE, MERCHANT, _migrated, post, use_database
 from ledger import views  # noqa: E402
 from ledger.models import Account, LedgerLine, Payment, Receipt  # noqa: E402
+from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 
 import pg_idempotency.django as pg_django  # noqa: E402
 from pg_idempotency.django import idempotent  # noqa: E402
@@ -49,33 +40,9 @@ from pg_idempotency.django.testing import IdempotencyTestCaseMixin  # noqa: E402
 from pg_idempotency.migrate import migrations as bundled  # noqa: E402
 from pgharness import WAIT_BOUND  # noqa: E402
 
-MERCHANT = {"HTTP_X_MERCHANT": "m1"}
-BODY = {"account": "alice", "amount": "12.50"}
-
 
 class SimulatedCrash(BaseException):
     """The worker dies (not an Exception: Django's handler does not turn it into a 500)."""
-
-
-def use_database(dsn: str, atomic_requests: bool) -> None:
-    """Point Django's default alias (in every thread) at ``dsn``."""
-    connections.close_all()
-    info = conninfo_to_dict(dsn)
-    settings_dict = connections.settings["default"]
-    settings_dict.update(NAME=info["dbname"], USER=info.get("user", ""),
-                         PASSWORD=info.get("password", ""), HOST=info.get("host", ""),
-                         PORT=info.get("port", ""), ATOMIC_REQUESTS=atomic_requests)
-    connections["default"].settings_dict.update(settings_dict)
-
-
-def _migrated(dsn: str, atomic_requests: bool) -> Iterator[str]:
-    use_database(dsn, atomic_requests)
-    call_command("migrate", verbosity=0)
-    connections.close_all()
-    try:
-        yield dsn
-    finally:
-        connections.close_all()
 
 
 @pytest.fixture(params=[False, True], ids=["autocommit", "atomic_requests"])
@@ -88,15 +55,6 @@ def app_db(request: pytest.FixtureRequest, empty_db: str) -> Iterator[str]:
 def plain_db(empty_db: str) -> Iterator[str]:
     """The example's database (ATOMIC_REQUESTS off), for tests where it makes no difference."""
     yield from _migrated(empty_db, False)
-
-
-def post(client: Client, key: str | None, body: Any = BODY, path: str = "/payments/",
-         **extra: str) -> Any:
-    headers = dict(MERCHANT, **extra)
-    if key is not None:
-        headers["HTTP_IDEMPOTENCY_KEY"] = key
-    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
-    return client.post(path, content, content_type="application/json", **headers)
 
 
 def counts() -> tuple[int, int, int]:
@@ -215,7 +173,8 @@ def test_conflict_has_a_small_retry_after(app_db: str, monkeypatch: Any) -> None
 def test_under_database_settings_psycopg_cannot_parse(plain_db: str, monkeypatch: Any) -> None:
     """A DBA set DateStyle, IntervalStyle and TimeZone for the database. Django binds on the
     client side, so the lease goes as text in sql_standard; the claim, a retry's 409 (its
-    retry_after), complete() and the replay read times back (tests/server/test_session_settings.py)."""
+    retry_after), complete() and the replay read times back
+    (tests/server/test_session_settings.py)."""
     dbname = conninfo_to_dict(plain_db)["dbname"]
     with psycopg.connect(plain_db, autocommit=True) as conn:
         for name, value in (("datestyle", "SQL, DMY"), ("intervalstyle", "sql_standard"),
@@ -546,7 +505,6 @@ def test_citus_eight_concurrent_requests_over_http(citus_app_db: str) -> None:
 
 def test_citus_lease_takeover_fences_the_old_worker(citus_app_db: str, monkeypatch: Any) -> None:
     test_lease_takeover_fences_the_old_worker(citus_app_db, monkeypatch)
-
 
 
 def test_prepared_statements_opt_in_follows_django_options(plain_db: str,

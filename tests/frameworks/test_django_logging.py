@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 from django.test import Client
-from test_django import _migrated, post, views  # test_django sets up the example app
+from helpers.django_example import _migrated, post, views  # test_django sets up the example app
 
 from pg_idempotency.core import key_hash
 

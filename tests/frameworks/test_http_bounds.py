@@ -36,15 +36,15 @@ import pytest
 from django.db import connections
 from django.http import HttpRequest, HttpResponse
 from django.urls import path as django_path
+from helpers.django_example import django_on
+from helpers.http import uvicorn_server, with_pool_lifespan, wsgi_server
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
-from test_http_adapters import django_on, wsgi_server
 
 import pg_idempotency.django as pg_django
-from payments_helpers import uvicorn_server, with_pool_lifespan
 from pg_idempotency import asgi as pg_asgi
 from pg_idempotency import contract
 from pg_idempotency import flask as pg_flask

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
+from helpers.http import ledger_rows, lifespan, payments, uvicorn_server
 from psycopg.conninfo import make_conninfo
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
@@ -20,7 +21,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from payments_helpers import ledger_rows, lifespan, payments, uvicorn_server
 from pg_idempotency import aio
 from pg_idempotency.asgi import IdempotencyMiddleware, Policy, get_operation
 from pg_idempotency.contract import Settings, request_fingerprint

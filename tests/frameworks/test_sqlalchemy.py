@@ -11,12 +11,12 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy.exc
+from helpers import login_roles
 from sqlalchemy import String, create_engine, func, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column, sessionmaker
 
-from conftest import login_roles
 from pg_idempotency import aio
 from pg_idempotency.errors import KeyInProgress, KeyMismatch
 from pg_idempotency.sqlalchemy import (

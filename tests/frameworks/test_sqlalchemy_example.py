@@ -16,8 +16,8 @@ import psycopg
 import pytest
 from fastapi import Request
 from fastapi.responses import JSONResponse
+from helpers.http import ROOT, lifespan, uvicorn_server
 
-from payments_helpers import ROOT, lifespan, uvicorn_server
 from pg_idempotency.asgi import get_operation
 from pgharness import WAIT_BOUND, wait_until
 

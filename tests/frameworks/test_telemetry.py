@@ -204,7 +204,7 @@ def test_async_api_gets_the_same_spans(db: str, spans: Any) -> None:
 
 def test_django_requests_get_spans_for_free(empty_db: str, spans: Any) -> None:
     from django.test import Client
-    from test_django import _migrated, post  # sets up the example app
+    from helpers.django_example import _migrated, post  # sets up the example app
 
     for _ in _migrated(empty_db, False):
         client = Client()
@@ -227,7 +227,7 @@ def test_every_http_adapter_gets_the_same_spans_and_log_lines(
     (test_logging.py's shape), the same behind every adapter: only the reason of a release
     after a 5xx that is not stored differs (Django calls release() itself: reason=release; the
     others leave operation()'s block with the error: reason=exception)."""
-    from test_http_adapters import pay, race_takeover, serve
+    from helpers.adapters import pay, race_takeover, serve
 
     caplog.set_level(logging.INFO, logger="pg_idempotency")
     with serve(adapter, db) as base:

@@ -20,9 +20,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS
+from helpers.servers import FLAVOURS
 from psycopg.types.json import Jsonb
 
-from conftest import FLAVOURS, MIGRATION_PSQL_ARGS, MIGRATIONS
 from pgharness import WAIT_BOUND, PgServer, flavour_bindir, wait_until
 
 LONG = os.environ.get("PG_IDEM_PROBES") == "long"

@@ -37,8 +37,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
 
-from conftest import login_roles
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -16,17 +16,12 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers.install import INSTALL_ARGS, MIGRATIONS, normalize_dump, pg_dump, scratch_db
+from helpers.probes import HOSTILE_SETTINGS, apply
 from psycopg.types.json import Jsonb
-from test_install import INSTALL_ARGS, MIGRATIONS, normalize_dump, pg_dump, scratch_db
 
 from pgharness import PgServer
 
-HOSTILE_SETTINGS = [
-    {"DateStyle": "SQL, DMY", "TimeZone": "Europe/Dublin"},
-    {"DateStyle": "German", "TimeZone": "Pacific/Chatham", "IntervalStyle": "sql_standard"},
-    {"DateStyle": "Postgres, MDY", "TimeZone": "America/St_Johns",
-     "IntervalStyle": "iso_8601", "extra_float_digits": "0"},
-]
 ISO = {"DateStyle": "ISO, YMD", "TimeZone": "UTC", "IntervalStyle": "postgres",
        "extra_float_digits": "1"}
 # A summer day, so Europe/Dublin is on IST (+01).
@@ -44,11 +39,6 @@ class _BinaryCursor(psycopg.Cursor[Any]):
     def execute(self, query: Any, params: Any = None, **kwargs: Any) -> Any:
         kwargs.setdefault("binary", True)
         return super().execute(query, params, **kwargs)
-
-
-def apply(conn: psycopg.Connection[Any], settings: dict[str, str]) -> None:
-    for name, value in settings.items():
-        conn.execute("SELECT pg_catalog.set_config(%s, %s, false)", (name, value))
 
 
 def partitions(conn: psycopg.Connection[Any]) -> list[tuple[Any, ...]]:

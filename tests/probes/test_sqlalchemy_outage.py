@@ -24,6 +24,8 @@ import psycopg
 import pytest
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
+from helpers import login_roles
+from helpers.http import uvicorn_server
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy import String, create_engine, select, text
@@ -31,8 +33,6 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_asyn
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import pg_idempotency as idem
-from conftest import login_roles
-from payments_helpers import uvicorn_server
 from pg_idempotency import sqlalchemy as pg_sa
 from pg_idempotency.asgi import IdempotencyMiddleware
 from pg_idempotency.errors import DatabaseUnavailable

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import psycopg
-from test_install import INSTALL_ARGS, MIGRATIONS, scratch_db
+from helpers.install import INSTALL_ARGS, MIGRATIONS, scratch_db
 
 from pgharness import PgServer
 

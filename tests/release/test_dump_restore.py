@@ -11,8 +11,9 @@ during the load) and must leave:
   every scope;
 - the mirror live: a grant_usage() after the restore updates completer_grants.
 
-The extension install's known restore limitation has its strict xfail in tests/release/test_install.py;
-this file uses the migrations install, which restores with --exit-on-error.
+The extension install's known restore limitation has its strict xfail in
+tests/release/test_install.py; this file uses the migrations install, which restores with
+--exit-on-error.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import sqlstate
 from psycopg import sql
 
 from pgharness import PgServer
@@ -49,15 +51,6 @@ def _run(server: PgServer, program: str, *args: str) -> None:
 def _admin(server: PgServer, statement: sql.Composable) -> None:
     with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
         conn.execute(statement)
-
-
-def _sqlstate(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> str | None:
-    try:
-        with conn.transaction():
-            conn.execute(query, params).fetchall()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
 
 
 @pytest.fixture
@@ -141,8 +134,10 @@ def test_grants_and_completer_scopes_survive_dump_and_restore(
         assert again == ("replay", 201, {"id": 1})
         assert conn.execute("SELECT outcome FROM idempotency.claim(%s, 'after', '{\"a\": 2}')",
                             (mine,)).fetchone()[0] == "mismatch"
-        assert _sqlstate(conn, "SELECT count(*) FROM idempotency.keys", ()) == "42501"
-        assert _sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()", ()) == "42501"
+        assert sqlstate(conn, "SELECT count(*) FROM idempotency.keys",
+                        (), savepoint=True) == "42501"
+        assert sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()",
+                        (), savepoint=True) == "42501"
 
     # The limited completer: the other scope is refused (IK023) and left as it was.
     with psycopg.connect(target) as owner:
@@ -153,7 +148,7 @@ def test_grants_and_completer_scopes_survive_dump_and_restore(
             ("SELECT * FROM idempotency.takeover(%s, 'abandoned')", (other,)),
             ("SELECT * FROM idempotency.takeover(%s, 'done')", (other,)),
         ]:
-            assert _sqlstate(conn, query, params) == "IK023", query
+            assert sqlstate(conn, query, params, savepoint=True) == "IK023", query
         listed = conn.execute("SELECT scope, key FROM idempotency.list_abandoned(1000)"
                               ).fetchall()
         assert (mine, "abandoned") in listed and all(s != other for s, _ in listed), listed
@@ -177,4 +172,5 @@ def test_grants_and_completer_scopes_survive_dump_and_restore(
                       "AND kind = 'completer'", (roles["limited"],))
     assert _grants(target)[1] == sorted([(roles["later"], [other]), (roles["worker"], None)])
     with psycopg.connect(target, user=roles["later"], autocommit=True) as conn:
-        assert _sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'x')", (mine,)) == "IK023"
+        assert sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'x')",
+                        (mine,), savepoint=True) == "IK023"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import hashlib
-import os
 import re
 import subprocess
 import sys
@@ -25,16 +24,24 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
+from helpers.install import (
+    INSTALL_ARGS,
+    MIGRATIONS,
+    executable,
+    latest_extension_version,
+    normalize_dump,
+    pg_dump,
+    reinstall_this_build,
+    scratch_db,
+)
 from psycopg import sql
 from psycopg.types.json import Jsonb
 
-from conftest import login_roles
 from pgharness import WAIT_BOUND, PgServer
 
 ROOT = Path(__file__).resolve().parents[2]
-MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
 SOURCES_SQL = ROOT / "build" / "sources.sql"
-INSTALL_ARGS = ("-X", "-v", "ON_ERROR_STOP=1", "-1")
 # What idempotency.migrations holds once every migration is applied: [(1, "0001_core"), ...].
 MIGRATION_ROWS = [(int(p.stem[:4]), p.stem) for p in MIGRATIONS]
 
@@ -47,54 +54,10 @@ FROM idempotency.claim(scope => %s, key => %s, request => %s::jsonb)
 # -- helpers ------------------------------------------------------------------------------------
 
 
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
-    env["LC_MESSAGES"] = "C"
-    return env
-
-
-def pg_dump(server: PgServer, dsn: str, *args: str) -> str:
-    """Run the server's own pg_dump (same major version as the server)."""
-    proc = subprocess.run([str(server.bindir / "pg_dump"), *args, "-d", dsn],
-                          capture_output=True, text=True, env=_env(), timeout=WAIT_BOUND)
-    assert proc.returncode == 0, f"pg_dump failed:\n{proc.stderr}"
-    return proc.stdout
-
-
-def normalize_dump(text: str) -> str:
-    """Drop what differs between two dumps of the same schema: the per-dump random key of
-    \\restrict / \\unrestrict (pg_dump 18, 17.6, 16.10, 15.14 and later)."""
-    return "\n".join(line for line in text.splitlines()
-                     if not re.match(r"^\\(un)?restrict ", line))
-
-
-@contextlib.contextmanager
-def scratch_db(server: PgServer, prefix: str) -> Iterator[str]:
-    name = f"{prefix}_{uuid.uuid4().hex[:10]}"
-    with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-        conn.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-    try:
-        yield server.dsn(name)
-    finally:
-        with psycopg.connect(server.dsn("postgres"), autocommit=True) as conn:
-            conn.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)")
-                         .format(sql.Identifier(name)))
-
-
 def apply_migrations(server: PgServer, dsn: str) -> None:
     assert MIGRATIONS, "no migrations/*.sql"
     for migration in MIGRATIONS:
         server.run_psql(dsn, migration, args=INSTALL_ARGS)
-
-
-def reinstall_this_build(server: PgServer) -> None:
-    """Copy this checkout's build/extension/ into the server's extension directory again.
-
-    PostgreSQL 15's is the system one, shared with any other checkout running its tests on
-    this machine, so tests that create the extension put this build's files back first."""
-    from conftest import install_built_extension  # tests/ is on sys.path (pytest rootdir)
-
-    install_built_extension(server)
 
 
 def sources_sql() -> Path:
@@ -455,12 +418,6 @@ COMPLETER_FUNCTIONS = (REQUEST_FUNCTIONS - {"claim", "inbox_accept"}) | {"takeov
                                                                          "list_abandoned"}
 
 
-def executable(conn: psycopg.Connection[Any]) -> set[str]:
-    return {r[0] for r in conn.execute(
-        "SELECT p.proname FROM pg_proc AS p WHERE p.pronamespace = 'idempotency'::regnamespace "
-        "AND has_function_privilege(p.oid, 'EXECUTE')").fetchall()}
-
-
 def test_request_role_reads_only_keys_it_presents_with_their_request(
     server: PgServer, db: str
 ) -> None:
@@ -729,12 +686,6 @@ SELECT 'config ' || unnest(extconfig)::regclass::text FROM pg_extension
 WHERE extname = 'pg_idempotency'
 ORDER BY 1
 """
-
-
-def latest_extension_version() -> str:
-    """default_version of the control file tools/build.py made (the newest migration's)."""
-    control = (ROOT / "build" / "extension" / "pg_idempotency.control").read_text()
-    return re.search(r"^default_version = '([^']+)'", control, re.M).group(1)
 
 
 def test_extension_update_from_0_1_0_equals_a_fresh_install(server: PgServer) -> None:

@@ -13,9 +13,7 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
-from psycopg import sql
-from psycopg.types.json import Jsonb
-from test_install import (
+from helpers.install import (
     INSTALL_ARGS,
     MIGRATIONS,
     executable,
@@ -23,6 +21,8 @@ from test_install import (
     reinstall_this_build,
     scratch_db,
 )
+from psycopg import sql
+from psycopg.types.json import Jsonb
 
 from pgharness import PgServer
 

@@ -16,6 +16,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers.api import _enter, call
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 import pg_idempotency as idem
@@ -25,10 +26,6 @@ from pg_idempotency.fingerprint import MAX_REQUEST_BYTES
 pytestmark = pytest.mark.anyio
 
 LEDGER = "CREATE TABLE ledger (id serial PRIMARY KEY, account text, amount integer)"
-
-
-async def call(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
 
 
 @pytest.fixture(params=["sync", "async"])
@@ -672,18 +669,3 @@ async def test_request_limits_hold_in_the_package(flavour: Any, db: str) -> None
 
 # -- helpers ---------------------------------------------------------------------------------
 
-class _enter:
-    """``async with _enter(op)`` for either flavour's Operation."""
-
-    def __init__(self, op: Any) -> None:
-        self.op = op
-
-    async def __aenter__(self) -> Any:
-        if isinstance(self.op, aio.Operation):
-            return await self.op.__aenter__()
-        return self.op.__enter__()
-
-    async def __aexit__(self, *exc: Any) -> Any:
-        if isinstance(self.op, aio.Operation):
-            return await self.op.__aexit__(*exc)
-        return self.op.__exit__(*exc)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -12,25 +11,18 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from helpers import login_roles
+from helpers.api import run
 from psycopg import sql
 
 import pg_idempotency as idem
-from conftest import login_roles
 from pg_idempotency import cli
 from pg_idempotency.migrate import RESTORE_SEARCH_PATH, SAVE_SEARCH_PATH
-from pgharness import WAIT_BOUND, PgServer, flavour_bindir
+from pgharness import PgServer, flavour_bindir
 
 ROOT = Path(__file__).resolve().parents[2]
 CLI = Path(sys.executable).parent / "pg-idempotency"
 MIGRATIONS = sorted((ROOT / "migrations").glob("*.sql"))
-
-
-def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items()
-            if k != "DATABASE_URL" and not k.startswith("PG")}
-    base["LC_ALL"] = "C"
-    return subprocess.run([str(CLI), *args], capture_output=True, text=True, timeout=WAIT_BOUND,
-                          env={**base, **(env or {})}, stdin=subprocess.DEVNULL)
 
 
 def assert_one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> None:

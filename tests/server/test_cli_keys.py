@@ -7,10 +7,10 @@ import json
 
 import psycopg
 import pytest
+from helpers import login_roles
+from helpers.api import run
 from psycopg.types.json import Jsonb
-from test_cli import run
 
-from conftest import login_roles
 from pgharness import PgServer, wait_until
 
 SCOPE = "acct_42"

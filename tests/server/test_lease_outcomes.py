@@ -24,12 +24,19 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
+from helpers.probes import (
+    HOSTILE_SETTINGS,
+    KEYS_PER_CLASS,
+    STATES,
+    WRONG_TOKEN,
+    apply,
+    judge,
+    make_keys,
+)
 from psycopg import sql
-from test_hostile_settings import HOSTILE_SETTINGS, apply
-from test_timing_oracle import KEYS_PER_CLASS, STATES, WRONG_TOKEN, judge, make_keys
 
 import pg_idempotency as idem
-from conftest import login_roles
 from pg_idempotency import aio, errors
 
 pytestmark = pytest.mark.anyio

@@ -23,12 +23,12 @@ from collections.abc import Iterator
 
 import psycopg
 import pytest
+from helpers import login_roles
 from psycopg import sql
 from sqlalchemy import create_engine, text
 from sqlalchemy.orm import Session
 
 import pg_idempotency as idem
-from conftest import login_roles
 from pg_idempotency import aio, core
 from pg_idempotency import sqlalchemy as pg_sa
 from pg_idempotency.errors import ArgumentTooLarge, ScopeNotGranted, UsageError

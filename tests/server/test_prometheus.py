@@ -24,10 +24,10 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
 from psycopg.rows import dict_row
 from psycopg.types.json import Jsonb
 
-from conftest import login_roles
 from pgharness import WAIT_BOUND, PgServer, free_port, wait_until
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,14 +20,13 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
+from helpers.api import _enter, call, run
 from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
-from test_api import _enter, call
-from test_cli import run
 
 import pg_idempotency as idem
-from conftest import login_roles
 from pg_idempotency import aio, maintenance
 from pg_idempotency.core import AbandonedKey
 

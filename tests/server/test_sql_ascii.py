@@ -31,12 +31,13 @@ from typing import Any
 import psycopg
 import pytest
 import sqlalchemy
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, admin_execute, login_roles
+from helpers.api import run
+from helpers.servers import ServerPool
 from psycopg import sql
 from sqlalchemy.orm import Session
-from test_cli import run
 
 import pg_idempotency as idem
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, ServerPool, admin_execute, login_roles
 from pg_idempotency import _calls, aio
 from pg_idempotency.sqlalchemy import operation as sa_operation
 from pgharness import PgServer

@@ -22,8 +22,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, login_roles
 
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, login_roles
 from pgharness import PgServer
 
 ROOT = Path(__file__).resolve().parents[2]

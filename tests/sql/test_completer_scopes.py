@@ -21,9 +21,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, sqlstate
 from psycopg import sql
-
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS
 
 # The owner makes the keys an hour in the past with a one-second lease, so their leases are
 # long expired by the wall clock the completer role runs on (it may not pass reference_time).
@@ -52,15 +51,6 @@ def _key_rows(conn: psycopg.Connection[Any], scope: str) -> list[tuple[Any, ...]
     return conn.execute(
         "SELECT key, state, lease_token, lease_expires_at, attempts, response_status"
         " FROM idempotency.keys WHERE scope = %s ORDER BY key", (scope,)).fetchall()
-
-
-def _sqlstate(conn: psycopg.Connection[Any], query: str, params: tuple[Any, ...]) -> str | None:
-    try:
-        with conn.transaction():
-            conn.execute(query, params).fetchall()
-    except psycopg.Error as exc:
-        return exc.sqlstate
-    return None
 
 
 def _setup_keys(owner: psycopg.Connection[Any], mine: str, other: str) -> None:
@@ -95,7 +85,7 @@ def _check_limited(dsn: str, role: str, mine: str, other: str,
             ("SELECT * FROM idempotency.takeover(%s, 'done')", (other,)),
             ("SELECT * FROM idempotency.takeover(%s, 'never-claimed')", (other,)),
         ]:
-            assert _sqlstate(conn, query, params) == "IK023", query
+            assert sqlstate(conn, query, params, savepoint=True) == "IK023", query
         # The message names the scope and the role, never anything about a key.
         with pytest.raises(psycopg.Error) as info:
             conn.execute("SELECT * FROM idempotency.takeover(%s, 'done')", (other,))
@@ -144,8 +134,8 @@ def test_completer_limited_to_its_scopes(server: Any, db: str,
         _setup_keys(owner, mine, other)
         with psycopg.connect(db, user=member, autocommit=True) as conn:
             conn.execute(sql.SQL("SET ROLE {}").format(sql.Identifier(limited)))
-            assert _sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'o1')",
-                             (other,)) == "IK023"
+            assert sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'o1')",
+                            (other,), savepoint=True) == "IK023"
             # Nor can it pretend to be the owner.
             with pytest.raises(psycopg.errors.InsufficientPrivilege):
                 conn.execute("SET ROLE NONE; SET ROLE postgres")
@@ -176,13 +166,15 @@ def test_completer_limited_to_its_scopes(server: Any, db: str,
         assert owner.execute("SELECT count(*) FROM idempotency.completer_grants"
                              " WHERE grantee = %s", (limited,)).fetchone() == (0,)
         with psycopg.connect(db, user=limited, autocommit=True) as conn:
-            assert _sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()", ()) == "IK023"
-            assert _sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'm1')",
-                             (mine,)) == "IK023"
+            assert sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()",
+                            (), savepoint=True) == "IK023"
+            assert sqlstate(conn, "SELECT * FROM idempotency.takeover(%s, 'm1')",
+                            (mine,), savepoint=True) == "IK023"
             # A migration's re-grant does not bring it back either.
         assert owner.execute("SELECT idempotency._reapply_grants()").fetchone()[0] >= 2
         with psycopg.connect(db, user=limited, autocommit=True) as conn:
-            assert _sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()", ()) == "IK023"
+            assert sqlstate(conn, "SELECT * FROM idempotency.list_abandoned()",
+                            (), savepoint=True) == "IK023"
 
 
 @pytest.mark.parametrize(("scopes", "kind", "sqlstate"), [

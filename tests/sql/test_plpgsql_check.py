@@ -56,13 +56,14 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("distribute", "truncate_local_data_after_distributing_table(regclass) does not exist"):
         "a Citus function (tests/citus/test_citus.py)",
     ("_require_coordinator", 'relation "pg_catalog.pg_dist_local_group" does not exist'):
-        "a Citus catalog, read only when to_regclass finds it (tests/sql/test_bounds_sql.py runs it "
-        "on a worker)",
+        "a Citus catalog, read only when to_regclass finds it (tests/sql/test_bounds_sql.py runs "
+        "it on a worker)",
     ("_make_routes", 'relation "pg_catalog.pg_dist_shard" does not exist'):
         "a Citus catalog, read after _distributed() says Citus is there, for the local halves "
         "of the routes (tests/citus/test_citus.py)",
     ("_citus_custom_plans", 'relation "pg_catalog.pg_dist_object" does not exist'):
-        "a Citus catalog, read after _distributed() says Citus is there (tests/citus/test_citus.py)",
+        "a Citus catalog, read after _distributed() says Citus is there "
+        "(tests/citus/test_citus.py)",
     ("_citus_custom_plans", "should be STABLE"):
         "it runs ALTER FUNCTION through EXECUTE (the function is named at run time), which the "
         "checker cannot see",

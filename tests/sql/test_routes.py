@@ -23,9 +23,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers.install import make_state, reinstall_this_build, scratch_db, walk
 from psycopg.types.json import Jsonb
-from test_install import reinstall_this_build, scratch_db
-from test_upgrade_directory import make_state, walk
 
 from pgharness import WAIT_BOUND, PgServer, wait_until
 

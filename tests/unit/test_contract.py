@@ -1,5 +1,6 @@
 """pg_idempotency.contract on its own, as a table of cases: no framework, no database. The same
-rules are then run through every adapter over real HTTP in tests/frameworks/test_http_adapters.py."""
+rules are then run through every adapter over real HTTP in
+tests/frameworks/test_http_adapters.py."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Shared by the HTTP tests: the example payments app, its lifespan, an ASGI app's pool
-lifespan, a real uvicorn server."""
+lifespan, a real uvicorn server, a threaded WSGI server."""
 
 from __future__ import annotations
 
@@ -8,17 +8,17 @@ import socket
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import psycopg
 import uvicorn
+from django.core.servers.basehttp import ThreadedWSGIServer, WSGIRequestHandler
 from psycopg_pool import AsyncConnectionPool
+from werkzeug.serving import make_server
 
+from helpers import ROOT
 from pgharness import WAIT_BOUND, wait_until
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def load_example() -> ModuleType:
@@ -84,3 +84,22 @@ def uvicorn_server(app: Any) -> Iterator[str]:
 def ledger_rows(dsn: str) -> list[tuple[Any, ...]]:
     with psycopg.connect(dsn) as conn:
         return conn.execute("SELECT account, amount, charge_id FROM ledger ORDER BY id").fetchall()
+
+
+@contextmanager
+def wsgi_server(app: Any, django: bool = False) -> Iterator[str]:
+    if django:
+        server: Any = ThreadedWSGIServer(("127.0.0.1", 0), WSGIRequestHandler,
+                                         allow_reuse_address=True)
+        server.set_app(app)
+        server.daemon_threads = True
+    else:
+        server = make_server("127.0.0.1", 0, app, threaded=True)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(WAIT_BOUND)
