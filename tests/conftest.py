@@ -9,7 +9,9 @@ server only overrides it: ``@pytest.mark.parametrize("server", ["pg15"], indirec
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from helpers import admin_execute
@@ -91,3 +93,53 @@ def anyio_backend() -> str:
     """Async tests (``@pytest.mark.anyio``) run on asyncio only."""
     return "asyncio"
 
+
+# -- layers and needs (tests/README.md) -------------------------------------------------------
+
+TESTS = Path(__file__).resolve().parent
+# Each folder of tests/ is a layer, and each of its tests carries the layer's marker.
+LAYERS = ("unit", "sql", "server", "frameworks", "citus", "conformance", "probes", "release")
+# The conformance runners' languages (a ``lang`` parameter) and the toolchain each needs.
+LANG_NEEDS = {"java": "jvm", "go": "go", "ruby": "ruby", "node": "node"}
+# A test module imports what it shares from helpers/ (or conformance/), never from another test
+# module or a conftest.py: pytest imports each once under its own rules, a second import by
+# name runs it again or finds another conftest.
+_FORBIDDEN_IMPORT = re.compile(r"^\s*(?:from|import)\s+(test_\w+|conftest)\b", re.M)
+
+
+def _layer(path: Path) -> str:
+    parts = path.relative_to(TESTS).parts
+    if len(parts) < 2 or parts[0] not in LAYERS:
+        raise pytest.UsageError(
+            f"{path}: a test module lives in one of the layer folders of tests/ "
+            f"({', '.join(LAYERS)}); tests/README.md says which")
+    return parts[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with its layer (its folder) and with what it needs that a laptop may
+    lack: ``citus`` (it uses the Citus cluster), ``pg15`` (Debian's PostgreSQL 15: a ``server``
+    or other parameter pg15), the runner's toolchain for a ``lang`` parameter. Needs that
+    no fixture or parameter shows are marked in the test modules themselves."""
+    checked: set[Path] = set()
+    for item in items:
+        path = Path(str(item.path))
+        if path not in checked:
+            checked.add(path)
+            found = _FORBIDDEN_IMPORT.search(path.read_text(encoding="utf-8"))
+            if found:
+                raise pytest.UsageError(
+                    f"{path} imports {found.group(1)}: shared code goes in tests/helpers/ "
+                    "(tests/README.md)")
+        item.add_marker(_layer(path))
+        if "citus_cluster" in item.fixturenames:
+            item.add_marker("citus")
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if "pg15" in params.values():
+            item.add_marker("pg15")
+        lang = params.get("lang")
+        if lang is not None:
+            if lang not in LANG_NEEDS:
+                raise pytest.UsageError(f"{item.nodeid}: no needs marker for language {lang!r} "
+                                        "(tests/conftest.py LANG_NEEDS)")
+            item.add_marker(LANG_NEEDS[lang])

@@ -169,6 +169,7 @@ def test_psql_runner(server: PgServer, conformance_dsn: str, path: Path) -> None
     assert run_psql_scenario(server, conformance_dsn, conf.load_scenario(path)) == []
 
 
+@pytest.mark.node
 @pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_node_runner(node_results: tuple[int, dict[str, list[str]], str], path: Path) -> None:
     code, results, stderr = node_results
@@ -176,6 +177,7 @@ def test_node_runner(node_results: tuple[int, dict[str, list[str]], str], path: 
     assert results[path.stem] == []
 
 
+@pytest.mark.node
 def test_node_runner_exit_code(node_results: tuple[int, dict[str, list[str]], str]) -> None:
     code, results, stderr = node_results
     assert code == 0, stderr
@@ -246,6 +248,10 @@ MUTATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
 }
 
 
+@pytest.mark.jvm
+@pytest.mark.go
+@pytest.mark.ruby
+@pytest.mark.node
 @pytest.mark.parametrize("server", ["pg18"], indirect=True)
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=list(MUTATIONS))
 def test_one_changed_expectation_fails_all_six(
@@ -271,6 +277,10 @@ def test_one_changed_expectation_fails_all_six(
 
 # -- a runner that skips a step fails -------------------------------------------------------
 
+@pytest.mark.jvm
+@pytest.mark.go
+@pytest.mark.ruby
+@pytest.mark.node
 @pytest.mark.parametrize("server", ["pg18"], indirect=True)
 def test_a_runner_that_skips_a_step_fails(server: PgServer, conformance_dsn: str,
                                           tmp_path: Path) -> None:

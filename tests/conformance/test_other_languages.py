@@ -15,6 +15,7 @@ import subprocess
 from pathlib import Path
 
 import psycopg
+import pytest
 
 from conformance import HERE, NODE_DIR, langs, node_command
 from pgharness import WAIT_BOUND, PgServer
@@ -66,6 +67,7 @@ def test_psql_example(server: PgServer, db: str) -> None:
         assert conn.execute("SELECT count(*) FROM charges").fetchone() == (1,)
 
 
+@pytest.mark.node
 def test_node_example(db: str) -> None:
     proc = subprocess.run([*node_command("payment_check.mjs"), db],
                           capture_output=True, text=True, timeout=WAIT_BOUND, cwd=NODE_DIR)
@@ -79,11 +81,13 @@ def _check(argv: list[str]) -> None:
     assert proc.stdout.splitlines() == [DONE]
 
 
+@pytest.mark.go
 def test_go_example(db: str) -> None:
     binary = langs.go_binary("payment", [GO_EXAMPLE, GO_EXAMPLE.with_name("check.go")])
     _check([str(binary), db])
 
 
+@pytest.mark.jvm
 def test_java_example(db: str) -> None:
     url = re.sub(r"^postgresql://([^@/]+)@([^/]+)/(.*)$", r"jdbc:postgresql://\2/\3?user=\1", db)
     assert url.startswith("jdbc:"), db
@@ -92,5 +96,6 @@ def test_java_example(db: str) -> None:
             url])
 
 
+@pytest.mark.ruby
 def test_ruby_example(db: str) -> None:
     _check([langs.need("ruby", "ruby"), str(RUBY_EXAMPLE.with_name("payment_check.rb")), db])

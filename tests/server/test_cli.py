@@ -182,6 +182,7 @@ def test_sql_error_during_migrate(server: PgServer, empty_db: str) -> None:
             conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
 
 
+@pytest.mark.pg15
 def test_wrong_password() -> None:
     """A server of its own with password authentication on TCP (the shared ones trust)."""
     with PgServer(flavour_bindir("pg15"), name="scram") as srv:

@@ -26,6 +26,9 @@ import pytest
 import pgharness
 from pgharness import WAIT_BOUND
 
+# Needs (tests/README.md): the child starts a PG 15 and a pgbouncer of its own.
+pytestmark = [pytest.mark.pgbouncer, pytest.mark.pg15]
+
 HARNESS = Path(__file__).resolve().parents[2] / "harness"
 
 CHILD = textwrap.dedent("""

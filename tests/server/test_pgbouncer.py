@@ -26,6 +26,9 @@ from pg_idempotency import _exec, api
 from pg_idempotency.errors import KeyInProgress, KeyMismatch
 from pgharness import WAIT_BOUND, PgBouncer, PgServer
 
+# Needs (tests/README.md): Debian's pgbouncer.
+pytestmark = pytest.mark.pgbouncer
+
 APP_ROLE = "idem_bouncer_app"
 CLIENTS = 32
 # A live lease in these tests: it must not run out while a loaded machine serves 32 clients

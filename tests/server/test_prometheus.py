@@ -192,6 +192,7 @@ def one(samples: dict[str, dict[str, float]], name: str, label: str = "") -> flo
     return values[0]
 
 
+@pytest.mark.prometheus
 def test_the_postgres_exporter_scrapes_our_metrics(
     server: PgServer, db: str, tmp_path: Path
 ) -> None:
@@ -239,6 +240,7 @@ def test_the_postgres_exporter_scrapes_our_metrics(
             assert "pg_idempotency_scope_keys_in_progress" not in s
 
 
+@pytest.mark.prometheus
 def test_the_exporter_follows_the_retry_storm_demo(
     server: PgServer, db: str, tmp_path: Path
 ) -> None:
@@ -332,6 +334,7 @@ def promtool(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                           timeout=WAIT_BOUND)
 
 
+@pytest.mark.prometheus
 def test_alert_rules_pass_promtool_and_a_wrong_expectation_fails(tmp_path: Path) -> None:
     checked = promtool("check", "rules", "alerts.yml", cwd=MONITORING)
     assert checked.returncode == 0, checked.stdout + checked.stderr
@@ -352,6 +355,7 @@ def test_alert_rules_pass_promtool_and_a_wrong_expectation_fails(tmp_path: Path)
     assert "IdempotencyKeysStuckInProgress" in failed.stdout + failed.stderr
 
 
+@pytest.mark.prometheus
 def test_without_the_monitor_grant_the_series_vanish_and_an_alert_fires(
     server: PgServer, db: str, tmp_path: Path
 ) -> None:

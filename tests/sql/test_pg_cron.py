@@ -24,6 +24,9 @@ from psycopg.types.json import Jsonb
 
 from pgharness import WAIT_BOUND, PgServer, flavour_bindir
 
+# Needs (tests/README.md): Debian's postgresql-15-cron, on a PG 15 of its own.
+pytestmark = [pytest.mark.pg_cron, pytest.mark.pg15]
+
 ROOT = Path(__file__).resolve().parents[2]
 CRON_DB = "crondb"
 JOB = "pg_idempotency_maintain"

@@ -22,6 +22,9 @@ from psycopg.types.json import Jsonb
 
 from pgharness import PgServer
 
+# Needs (tests/README.md): pg_partman in each server's extension directory.
+pytestmark = pytest.mark.partman
+
 ROOT = Path(__file__).resolve().parents[2]
 HAND_OVER = (ROOT / "docs" / "maintenance.md")
 

@@ -14,6 +14,9 @@ import psycopg
 import pytest
 from psycopg.rows import dict_row
 
+# Needs (tests/README.md): Debian's postgresql-15-plpgsql-check.
+pytestmark = pytest.mark.plpgsql_check
+
 # (function name, message substring) -> why this warning is acceptable.
 # Keep every entry justified; an entry that no longer matches anything fails the test.
 ALLOWED: dict[tuple[str, str], str] = {
