@@ -6,6 +6,11 @@
 #                then pytest
 #                (PYTEST_WORKERS=3 processes, pytest-xdist) on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
 #                build/conformance/ when their sources changed)
+#   make test-quick   the fast lane, as any user but root, with Python alone: .venv, the
+#                extension build, pgTAP copied from Debian's postgresql-15-pgtap into the
+#                embedded PostgreSQL 18, then tests/unit, tests/sql and tests/server on that
+#                one server, less what needs another toolchain (tests/README.md); no apt, no
+#                setup chain (QUICK_WORKERS=N pytest-xdist processes, PYTEST_ARGS passed on)
 #   make run     the payments example under a retry storm, on an embedded PostgreSQL 18
 #                (tools/run.py: pg-idempotency demo; RUN_ARGS="--clients 4 --seed 7")
 #   make dist    dist/: the sdist, the wheel, and the CREATE EXTENSION files as a tarball
@@ -77,12 +82,51 @@ PYTEST_XDIST   := -n $(PYTEST_WORKERS) --dist load
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus test-user \
+.PHONY: test test-quick quick-pgtap run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus test-user \
         lint bench clean dist wheel-venv release
 
 test: setup
 	@$(AS_TEST_USER) $(MAKE) --no-print-directory lint
 	$(AS_TEST_USER) $(VENV)/bin/pytest -q -p no:cacheprovider $(PYTEST_XDIST) $(PYTEST_ARGS)
+
+# The fast lane (tests/README.md, "make test-quick"): what runs without root, apt or a toolchain
+# beyond Python. Deselected by marker: PostgreSQL 15 (its extension directory is the system's,
+# not writable without root), Citus, pgbouncer, Prometheus, pg_cron, pg_partman, plpgsql_check
+# and the Java, Go, Ruby and Node runners; the folders it does not name (frameworks, citus,
+# conformance, probes, release) run in make test. pytest prints the deselected count.
+QUICK_PATHS   := tests/unit tests/sql tests/server
+QUICK_MARKERS := not (pg15 or citus or pgbouncer or prometheus or pg_cron or partman \
+                 or plpgsql_check or jvm or go or ruby or node)
+QUICK_WORKERS ?= 2
+PGTAP_DEB_DIR := $(DEB_EXT_DIR)
+
+test-quick:
+	@test "$$(id -u)" != 0 || { echo "make test-quick: PostgreSQL refuses to run as root;" \
+	  "run it as another user (as root: make test)"; exit 1; }
+	@$(MAKE) --no-print-directory quick-pgtap
+	$(PY) tools/build.py
+	@echo "test-quick: $(QUICK_PATHS) on the embedded PostgreSQL 18 only," \
+	  "less: $(QUICK_MARKERS) (make test runs all)"
+	$(VENV)/bin/pytest -q -p no:cacheprovider -n $(QUICK_WORKERS) -m "$(QUICK_MARKERS)" \
+	  $(PYTEST_ARGS) $(QUICK_PATHS)
+
+# pgTAP into the embedded PostgreSQL 18 (in .venv, so no root needed): Debian's
+# postgresql-15-pgtap files (plain SQL) when the server has none. Without either, a loud stop:
+# every test on a database needs pgTAP, and nothing is skipped for want of it.
+quick-pgtap: $(STAMP)
+	@dest="$$($(PY) -c '$(PG18_EXT_DIR_PY)')"; \
+	if [ -e "$$dest/pgtap.control" ]; then exit 0; fi; \
+	if [ -e $(PGTAP_DEB_DIR)/pgtap.control ]; then \
+	  echo "pgTAP: $(PGTAP_DEB_DIR)/pgtap* into $$dest"; \
+	  install -m 0644 -t "$$dest" $(PGTAP_DEB_DIR)/pgtap*; \
+	else \
+	  echo "make test-quick: pgTAP is not installed: the embedded PostgreSQL 18 has none and" \
+	    "$(PGTAP_DEB_DIR)/pgtap.control is missing. Install Debian's postgresql-15-pgtap" \
+	    "(apt-get install postgresql-15-pgtap; its files are plain SQL and serve PG 18 too)," \
+	    "or put pgTAP's pgtap.control and pgtap--*.sql into $$dest; then run make" \
+	    "test-quick again (tests/README.md, Servers)."; \
+	  exit 1; \
+	fi
 
 setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus wheel-venv test-user
 
