@@ -291,7 +291,7 @@ def test_complete_guesses_only_in_the_partition_of_its_own_time(citus: Cluster) 
                         for name in ("_complete_row_local", "_complete_row"))
     window = [line.strip() for line in local.splitlines() if "date_bin" in line]
     # The origin as a literal, not a call of _partition_start/_partition_origin: with constant
-    # arguments the planner would run a SQL function on every call (custom plans), ~10 µs.
+    # arguments the planner would run a SQL function on every call (custom plans).
     assert "timestamptz '2000-01-01 00:00:00+00')" in local and "_partition_" not in local
     assert window and all(line.replace("_complete_row_local.", "_complete_row.") in route
                           for line in window)

@@ -66,8 +66,8 @@ def judge(measure: Any, classes: list[str], label: str) -> None:
         # (the clock's resolution is 1 us).
         spread_ok = max(existing) - min(existing) <= max(1.0, 0.05 * call_time)
         # Existing against absent: what remains is the heap fetch of the key's rows
-        # (docs/design.md) and must stay a small fraction of the call; before 0.11.0 it was 36%
-        # (12 of 33 us).
+        # (docs/design.md) and must stay a small fraction of the call; before 0.11.0 it was a
+        # third of it.
         gap = statistics.median(existing) - statistics.median(absent)
         gap_ok = abs(gap) <= 0.15 * call_time
         if spread_ok and gap_ok:

@@ -8,10 +8,10 @@ scope and in another; half were never claimed).
 - Server-side, in a PL/pgSQL loop timing each call with clock_timestamp() (what a DO block of
   an application role can do; no network noise): the three existing states cannot be told
   apart, and the gap between existing and absent keys is a small fraction of a call (it was
-  36% before 0.11.0: 12 us of 33; docs/design.md, "No timing oracle", says what remains).
+  a third of one before 0.11.0; docs/design.md, "No timing oracle", says what remains).
 The issue's client-side probe (30 calls per key, per-key median against the pooled median) is
-not a test here, since it cannot be held: the residual gap still lets it classify 22-32 of 40
-keys on a quiet machine (40 of 40 before 0.11.0); docs/design.md gives those figures and why.
+not a test here, since it cannot be held: the residual gap still lets it classify many keys on
+a quiet machine; docs/design.md gives the figures and why.
 The checks compare medians of interleaved calls, so a loaded machine adds noise but no bias
 between the classes; since a burst of load still moves one class's median by a few microseconds,
 a check that fails is measured again (up to ROUNDS times) and each class keeps its least median.

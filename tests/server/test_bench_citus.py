@@ -2,12 +2,12 @@
 
 pgbench seeds its random generator from the clock in microseconds unless told otherwise, and
 two processes that bench/citus.py starts one after the other read the same microsecond now and
-then (measured on this machine: 2 in 400 pairs with PostgreSQL 18's pgbench, about 1 in 4 with
-PostgreSQL 15's). Their clients then draw the same scopes and keys in the same order: each key's
-second claim answers in_progress with no lease token, its complete fails, and pgbench aborts
-the round -- once in a warm-up of the benchmark (docs/benchmarks.md). Here the two processes are
-given the same seed through PGBENCH_RANDOM_SEED, as a coinciding clock would, and the round must
-still finish every pair: the bench's own --random-seed=rand overrides the environment's seed.
+then (rarely with PostgreSQL 18's pgbench, often with PostgreSQL 15's). Their clients then
+draw the same scopes and keys in the same order: each key's second claim answers in_progress
+with no lease token, its complete fails, and pgbench aborts the round -- once in a warm-up of
+the benchmark. Here the two processes are given the same seed through PGBENCH_RANDOM_SEED, as
+a coinciding clock would, and the round must still finish every pair: the bench's own
+--random-seed=rand overrides the environment's seed.
 """
 
 from __future__ import annotations
