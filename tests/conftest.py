@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import admin_execute
@@ -116,6 +117,7 @@ def _layer(path: Path) -> str:
     return parts[0]
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects by these markers
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Mark every test with its layer (its folder) and with what it needs that a laptop may
     lack: ``citus`` (it uses the Citus cluster), ``pg15`` (Debian's PostgreSQL 15: a ``server``
@@ -143,3 +145,48 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 raise pytest.UsageError(f"{item.nodeid}: no needs marker for language {lang!r} "
                                         "(tests/conftest.py LANG_NEEDS)")
             item.add_marker(LANG_NEEDS[lang])
+
+
+# -- what a selection left out, said at the end ------------------------------------------------
+# pytest counts deselected tests in its last line, but not under pytest-xdist, whose workers do
+# the collecting. Each worker reports its count (the same in every worker) to the controller,
+# and the summary says it, with the needs markers of what was left out.
+
+NEEDS = ("pg15", "citus", "pgbouncer", "prometheus", "pg_cron", "partman", "plpgsql_check",
+         "jvm", "go", "ruby", "node")
+_DESELECTED = "idem_deselected"
+_DESELECTED_KEY = pytest.StashKey[dict[str, int]]()
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    if not items:
+        return
+    counts = items[0].config.stash.setdefault(_DESELECTED_KEY, {})
+    counts["total"] = counts.get("total", 0) + len(items)
+    for item in items:
+        for name in NEEDS:
+            if item.get_closest_marker(name) is not None:
+                counts[name] = counts.get(name, 0) + 1
+
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # a pytest-xdist worker
+        workeroutput[_DESELECTED] = session.config.stash.get(_DESELECTED_KEY, {})
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    counts = getattr(node, "workeroutput", {}).get(_DESELECTED)
+    if counts:
+        node.config.stash[_DESELECTED_KEY] = counts
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    counts = config.stash.get(_DESELECTED_KEY, {})
+    if counts.get("total"):
+        needs = ", ".join(f"{name} {counts[name]}" for name in NEEDS if counts.get(name))
+        terminalreporter.write_line(
+            f"deselected: {counts['total']} tests (by needs marker, a test may need several: "
+            f"{needs or 'none'})", yellow=True)
