@@ -124,7 +124,7 @@ quick-pgtap: $(STAMP)
 	    "$(PGTAP_DEB_DIR)/pgtap.control is missing. Install Debian's postgresql-15-pgtap" \
 	    "(apt-get install postgresql-15-pgtap; its files are plain SQL and serve PG 18 too)," \
 	    "or put pgTAP's pgtap.control and pgtap--*.sql into $$dest; then run make" \
-	    "test-quick again (tests/README.md, Servers)."; \
+	    "test-quick again (tests/README.md, make test-quick)."; \
 	  exit 1; \
 	fi
 

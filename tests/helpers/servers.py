@@ -94,7 +94,7 @@ class ServerPool:
                 "missing): every test on a database of this server needs it. Debian: apt-get "
                 "install postgresql-15-pgtap; the embedded PostgreSQL 18 takes Debian's files "
                 "(make pgtap-pg18, or make test-quick, which copies them into .venv). "
-                "tests/README.md, 'Servers'.")
+                "tests/README.md, 'make test-quick'.")
         admin_execute(srv, sql.SQL("CREATE DATABASE {}").format(sql.Identifier(TEMPLATE_DB)))
         dsn = srv.dsn(TEMPLATE_DB)
         srv.run_psql(dsn, "CREATE EXTENSION pgtap;")
