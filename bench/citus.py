@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: the engine on Citus (a coordinator and two workers) against one server.
 
-Four measurements, printed as tables; this is a benchmark, not a test (tests/test_citus.py
+Four measurements, printed as tables; this is a benchmark, not a test (tests/citus/test_citus.py
 holds the guarantees), so it asserts nothing about the figures:
 
 1. Hops. Each per-key call (claim, heartbeat, checkpoint, accept, complete, release, takeover),

@@ -22,7 +22,7 @@ sql/upgrades/NNNN_NAME.sql: plain SQL (ALTER TABLE ...) plus lines
 
 so that the migration carries only what changed since N - 1.
 
-Migrations are append-only history; sql/ is the current definition. tests/test_install.py
+Migrations are append-only history; sql/ is the current definition. tests/release/test_install.py
 checks that installing sql/ and applying migrations/ give the same schema.
 
 A release freezes its migrations: making a release tag, run `tools/build.py --freeze N` for
@@ -31,7 +31,7 @@ must stay byte-identical, because Flyway, Liquibase and sqitch checksum the migr
 applied and fail `validate` on every later upgrade when one changed. A fix to a released
 migration (even to its comments or its header) is a new migration. So is a change to what this
 script wraps around a migration: it applies from a version on (RESTORE_FROM, GUARD_FROM,
-REGRANT_FROM), never to a released one. tests/test_build.py checks all of this.
+REGRANT_FROM), never to a released one. tests/release/test_build.py checks all of this.
 """
 
 from __future__ import annotations
@@ -373,7 +373,7 @@ def main() -> int:
         released = frozen()
         # Only the newest migration can still match its sources, and only while it is not
         # released: an older one is history, and the sources its recipe @replace'd have moved
-        # on since (a later migration replaces them again). tests/test_install.py checks the
+        # on since (a later migration replaces them again). tests/release/test_install.py checks the
         # whole chain against sql/.
         for path in migrations()[-1:]:
             number, name = MIGRATION_RE.match(path.name).groups()

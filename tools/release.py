@@ -2,8 +2,9 @@
 """Release a version: check that everything agrees on it, freeze its migration if it ships
 one, date its changelog section, commit and tag (docs/releasing.md).
 
-    tools/release.py --check            what tests/test_release.py checks: the package's version
-                                        (pyproject.toml, the installed __version__) is the
+    tools/release.py --check            what tests/release/test_release.py checks: the
+                                        package's version (pyproject.toml, the installed
+                                        __version__) is the
                                         newest schema version (python/pg_idempotency/schema.py,
                                         one per migration) or a patch of it; CHANGELOG.md and
                                         the docs agree; every released migration

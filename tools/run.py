@@ -39,7 +39,7 @@ def install(dsn: str) -> None:
 
 def demo(dsn: str, args: list[str], stdout: Path | None = None) -> int:
     """Run `pg-idempotency demo ARGS` against dsn; its output goes to stdout (a file) if given
-    (tests/test_prometheus.py runs a small storm this way), else to the terminal."""
+    (tests/server/test_prometheus.py runs a small storm this way), else to the terminal."""
     # The demo reads the DSN from the environment: a password stays off the command line.
     env = dict(os.environ, DATABASE_URL=dsn)
     if stdout is None:

@@ -27,7 +27,7 @@ from psycopg_pool import ConnectionPool
 
 from pg_idempotency.flask import Idempotency, get_operation
 
-# One row per payment: the retry storm of tests/test_http_adapters.py counts them.
+# One row per payment: the retry storm of tests/frameworks/test_http_adapters.py counts them.
 SCHEMA = """
 CREATE TABLE ledger (
     payment_id text PRIMARY KEY,

@@ -174,7 +174,7 @@ def literal_query(sql: str, params: Mapping[str, Any], encoding: str, conforming
     ``encoding``, or None when a value is of another type, holds a NUL, or the encoding
     cannot hold it: psycopg's ClientCursor renders it then. Built as bytes, a body's hex in
     one piece, so that a large body is copied once into the statement (the HTTP adapters'
-    memory bounds, tests/test_http_bounds.py)."""
+    memory bounds, tests/frameworks/test_http_bounds.py)."""
     parts, names = _split(sql)
     out = [parts[0]]
     try:

@@ -14,7 +14,7 @@
 -- complete_bytes) and _lease_outcome send a key missing from key_directory to the partition of
 -- now, so a wrong token runs the same statements, probing the same indexes, whether the key is
 -- absent, in progress, completed or released. What remains is measured in
--- tests/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
+-- tests/probes/test_timing_oracle.py and explained in docs/design.md ("No timing oracle").
 CREATE FUNCTION idempotency._lease_error(
     fn text, scope text, key text, lease_token bigint
 )

@@ -2,7 +2,7 @@
 -- same statements, the same answers, but 'lease_lost' / 'completed' come back as the outcome
 -- instead of IK001 / IK004. Through a Citus coordinator every error raised on a worker makes
 -- Citus drop the session's connection to that worker, so the next call opens a new one (a
--- new worker backend, far dearer than the answer: tests/test_citus_error_cost.py); an
+-- new worker backend, far dearer than the answer: tests/citus/test_citus_error_cost.py); an
 -- old owner that heartbeats after a takeover is a common answer, not an exception. heartbeat
 -- writes nothing of the caller's, so nothing needs the error's rollback. Bad arguments still
 -- raise (a caller's bug). Keep the body in step with heartbeat.sql: the timing-oracle
