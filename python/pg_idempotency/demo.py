@@ -53,7 +53,7 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 # examples/payments/app.py, which the wheel ships as this module (pyproject.toml)
-from . import _payments_example as payments  # type: ignore[attr-defined]
+from . import _payments_example as payments  # type: ignore[attr-defined, unused-ignore]
 from .client import AsyncRetryingClient
 from .migrate import migrate
 
