@@ -27,7 +27,7 @@ from psycopg.conninfo import conninfo_to_dict, make_conninfo
 from psycopg.rows import dict_row
 
 import pg_idempotency as idem
-from pg_idempotency import aio, maintenance
+from pg_idempotency import SCHEMA_VERSION, aio, maintenance
 from pg_idempotency.core import AbandonedKey
 
 pytestmark = pytest.mark.anyio
@@ -343,6 +343,7 @@ def test_cli_under_database_settings(db: str, settings: dict[str, str]) -> None:
     doc = json.loads(proc.stdout)
     with plain(db) as conn:
         expected = maintenance.status_json(maintenance.fetch_status(conn))
+    assert doc.pop("schema")["installed"] == SCHEMA_VERSION
     assert doc == json.loads(json.dumps(expected))
     (st,) = [s for s in doc["scopes"] if s["scope"] == "st"]
     assert datetime.fromisoformat(st["oldest_in_progress"]) == key["created_at"]
