@@ -74,12 +74,13 @@ def test_a_version_that_disagrees_is_caught(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 def test_release_rehearsal(tmp_path: Path) -> None:
-    """tools/release.py on a copy, through every kind of release: the newest migration when it
-    is unreleased (freeze, date, commit, tag), then a patch of the package that ships no
-    migration (0.N.1: date, commit, tag; SHA256SUMS untouched), then the next schema version
-    started as docs/releasing.md says (a migration of its own) and released. After each the
-    copy agrees with itself (--check) and the migrations check passes; wrong versions, a dirty
-    tree and a second release of one version are refused."""
+    """tools/release.py on a copy, through every kind of release: the pending version if there
+    is one (the newest migration's: freeze, date, commit, tag; a patch's: date, commit, tag),
+    then a patch of the package that ships no migration (date, commit, tag; SHA256SUMS
+    untouched), then the next schema version started as docs/releasing.md says (a migration
+    of its own) and released. After each the copy agrees with itself (--check) and the
+    migrations check passes; wrong versions, a dirty tree and a second release of one version
+    are refused."""
     repo = tmp_path / "repo"
     for part in ("tools/build.py", "tools/release.py", "pyproject.toml", "CHANGELOG.md",
                  "python/pg_idempotency/schema.py", *release.DOC_MENTIONS):
@@ -133,23 +134,32 @@ def test_release_rehearsal(tmp_path: Path) -> None:
     latest = max(build.VERSIONS)
     schema = build.VERSIONS[latest]
 
-    # 1. The newest migration, if it is not released yet.
-    if release.latest_released(build.frozen()) != latest:
+    # 1. The pending version, if any: the newest migration's schema version when that is not
+    # released yet, or else a patch of the package with an unreleased section.
+    pending = [v for v, date, _ in release.changelog_sections() if date == "unreleased"]
+    if pending:
+        (version,) = pending
+        ships = release.latest_released(build.frozen()) != latest
+        assert version == (schema if ships else version_in_copy())
         newest = sorted((repo / "migrations").glob("*.sql"))[-1].name
+        sums = (repo / "migrations/SHA256SUMS").read_text()
         proc = run(*tool, "0.0.9")
-        assert proc.returncode != 0 and f"the unreleased version is {schema}" in proc.stderr
+        assert proc.returncode != 0 and version in proc.stderr, proc.stderr
         edit("pyproject.toml", "[project]", "[project]\n")
-        proc = run(*tool, schema)
+        proc = run(*tool, version)
         assert proc.returncode != 0 and "uncommitted changes" in proc.stderr, proc.stderr
         git("checkout", "-q", "--", "pyproject.toml")
-        proc = run(*tool, schema, "--dry-run")
+        proc = run(*tool, version, "--dry-run")
         assert proc.returncode == 0 and "nothing changed" in proc.stdout, proc.stderr
         assert git("status", "--porcelain") == "" and git("tag") == ""
-        proc = run(*tool, schema)
+        proc = run(*tool, version)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-        assert (repo / "migrations/SHA256SUMS").read_text().splitlines()[-1].endswith(
-            f"  {newest}")
-        released_ok(schema)
+        if ships:
+            assert (repo / "migrations/SHA256SUMS").read_text().splitlines()[-1].endswith(
+                f"  {newest}")
+        else:
+            assert (repo / "migrations/SHA256SUMS").read_text() == sums
+        released_ok(version)
 
     # 2. A patch of the package: no migration, the schema stays.
     major, minor, _ = release.parse(schema)

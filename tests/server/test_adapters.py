@@ -10,15 +10,19 @@ psycopg connections (sync and async) and check that replays return the stored he
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
+import tomllib
 from psycopg.adapt import Loader
 from psycopg.types.string import TextLoader
 
 import pg_idempotency as idem
 from pg_idempotency import aio
+
+ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = pytest.mark.anyio
 
@@ -127,4 +131,6 @@ def test_pure_functions_and_errors_are_exported_with_sync_async_parity() -> None
     assert all(hasattr(aio, name) and hasattr(api, name) for name in api.__all__)
     assert issubclass(idem.KeyExpired, idem.IdempotencyError)
     assert idem.PgCronNotInstalled.sqlstate == "IK020"
-    assert idem.__version__ == "0.11.0"
+    # The installed package is the checkout's (make test installs it from here).
+    assert idem.__version__ == tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "version"]
