@@ -28,7 +28,688 @@ $guard$;
 -- Self-contained: only the objects added or changed here.
 --
 -- 0012 (0.12.0): the canonical form is bounded by the input.
+-- - A number outside 1e-7 <= |n| < 1e21 (and not 0) is written as its significant digits and
+--   exponent (1e21, -1.5e-30) by the new _canonical_number, never expanded to plain decimal:
+--   1e131071 was 131,072 characters. Every other number keeps its text, so the fingerprints of
+--   requests without such numbers do not change.
+-- - _canonical_json measures the text as it builds it, after each array and object, against
+--   settings.max_request_bytes (IK018 through the new _check_canonical_size); it becomes
+--   STABLE and takes legacy (numbers in plain decimal, the form before 0.12.0). The old
+--   signature is dropped.
+-- - claim() recognises a key claimed before 0.12.0 with a request holding such a number: when
+--   the fingerprints differ, it compares the old form's too (the new _legacy_fingerprint, which
+--   measures that text before building it and builds none over the limit).
+-- - derive_key() writes its three strings itself (same keys) and stays IMMUTABLE.
 -- No table changes; no data moves.
+
+-- sql/functions/_check_canonical_size.sql
+-- Refuses a canonical text that has grown past settings.max_request_bytes, with IK018 naming
+-- the argument it was built from. _canonical_json calls it as the text grows (after each array
+-- and object), so an argument within the size limit as the server holds it cannot build a
+-- larger text than the limit (plus the one level being built) before it is refused: the
+-- canonical text is what gets hashed, and what a client in another language builds.
+--
+-- Called only above 65536 bytes (the smallest limit the settings allow), as _check_size is:
+-- the settings row stays off the path of every ordinary request.
+CREATE FUNCTION idempotency._check_canonical_size(fn text, argument text, size integer)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    SELECT s.max_request_bytes INTO v_limit FROM idempotency.settings AS s;
+    -- No settings row yet: the default of sql/tables/settings.sql.
+    v_limit := coalesce(v_limit, 1048576);
+    IF _check_canonical_size.size > v_limit THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: argument "%s" is too large', _check_canonical_size.fn,
+                             _check_canonical_size.argument),
+            ERRCODE = 'IK018',
+            COLUMN = _check_canonical_size.argument,
+            DETAIL = format('Its canonical JSON (docs/fingerprint.md) is at least %s bytes; the '
+                            'limit (settings.max_request_bytes) is %s bytes.',
+                            _check_canonical_size.size, v_limit),
+            HINT = 'Nothing was written. Send a smaller value, or have the schema owner raise '
+                   || 'settings.max_request_bytes (docs/maintenance.md). See docs/errors.md.';
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_canonical_size(text, text, integer) IS
+'Internal: raise IK018 when size (bytes of canonical JSON built so far from fn''s argument)
+exceeds settings.max_request_bytes.';
+
+-- sql/functions/_canonical_number.sql
+-- The canonical text of a number outside the plain range of docs/fingerprint.md, written
+-- without expanding it. numeric's text output writes every digit of the plain decimal:
+-- 1e131071 (8 bytes of JSON) became 131,072 characters, and a request of such numbers
+-- canonicalized to gigabytes within the size limits. So a number whose exponent E (of its
+-- first significant digit) is below -7 or above 20 is written as its significant digits and E:
+-- sign, first digit, "." and the other digits if any (no trailing zeros), "e", E in decimal
+-- ("-" if negative, no "+"): 1e21 -> 1e21, 1500e18 -> 1.5e21, -123e-30 -> -1.23e-28. Every
+-- digit of that text was spelled in the JSON text (a literal spells every digit from its
+-- first significant one to its last), so it is never much longer than the input.
+--
+-- Only numeric arithmetic, which keeps every digit exactly and stores a number by its
+-- significant digits (1e131071 is one base-10000 digit and a weight): the value is shifted by
+-- powers of ten until it has a fractional part, then its digits read as an integer. A shift
+-- by 10^-16383 at a time, the smallest power of ten numeric can hold (a product's scale is the
+-- sum of its factors' scales, at most 16383): at most nine shifts, for 131072-digit integers.
+-- Callers test the plain range themselves (the common case stays one inline expression) and
+-- call this for the rest; it answers the plain form too, for any caller.
+CREATE FUNCTION idempotency._canonical_number(value numeric)
+RETURNS text
+LANGUAGE plpgsql
+IMMUTABLE
+STRICT
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_abs numeric := trim_scale(abs(_canonical_number.value));
+    v_shift integer := 0;
+    v_digits text;
+BEGIN
+    IF v_abs < 1e21 AND (v_abs >= 1e-7 OR v_abs = 0) THEN
+        RETURN trim_scale(_canonical_number.value)::text;
+    END IF;
+    -- An integer (scale 0 after trim_scale): shift it right until a fractional part appears,
+    -- v_abs = |value| * 10^-v_shift throughout.
+    WHILE scale(v_abs) = 0 LOOP
+        v_abs := trim_scale(v_abs * 1e-16383);
+        v_shift := v_shift + 16383;
+    END LOOP;
+    -- Its significant digits as an integer: scale(v_abs) places to the left (a power of ten
+    -- of scale 0 keeps the product's scale), the last one non-zero.
+    v_digits := trim_scale(v_abs * ('1e' || scale(v_abs))::numeric)::text;
+    RETURN CASE WHEN _canonical_number.value < 0 THEN '-' ELSE '' END
+        || left(v_digits, 1)
+        || CASE WHEN length(v_digits) > 1 THEN '.' || substr(v_digits, 2) ELSE '' END
+        || 'e' || (length(v_digits) - 1 - scale(v_abs) + v_shift)::text;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._canonical_number(numeric) IS
+'Internal: the canonical text of a number (docs/fingerprint.md): plain decimal when 1e-7 <=
+|value| < 1e21 or value = 0, else significant digits and exponent (1.5e21), never expanded.';
+
+-- sql/functions/_canonical_json.sql
+-- The canonical text of a JSON value, the input of fingerprint(). Defined exactly in
+-- docs/fingerprint.md so that a client in any language can compute the same bytes:
+--   * objects: members sorted by key in code point (UTF-8 byte) order, "key":value, joined by ",";
+--   * arrays: elements in order, joined by ",";
+--   * numbers: plain decimal, no exponent, no "+", no trailing fractional zeros, no trailing ".",
+--     so 10, 10.0 and 1e1 all read 10 (jsonb keeps the exact decimal, so nothing is rounded),
+--     when 1e-7 <= |value| < 1e21 or value = 0; any other number by its significant digits and
+--     exponent (1e21, -1.5e-30: _canonical_number), so that no number is written longer than
+--     its digits in the JSON text (numeric's text output expanded 1e131071 to 131,072 digits);
+--   * strings: JSON escapes for '"', '\' and U+0000..U+001F (\b \f \n \r \t, else \u00xx in
+--     lower-case hex), every other character as itself in UTF-8;
+--   * true, false, null as such; no whitespace anywhere.
+-- Scalars are formatted in place rather than by a recursive call, which is what keeps a flat
+-- request body to a single call; the plain-range test of a number is inline for the same
+-- reason, and only numbers outside it cost a call. Nesting deeper than 128 arrays and objects
+-- is refused with IK014 naming the caller's argument (without a limit, about 520 levels ran
+-- out of stack: 54001); the Python twin (pg_idempotency.fingerprint) refuses the same.
+--
+-- The text is measured as it is built, after each array and object, against
+-- settings.max_request_bytes (IK018, _check_canonical_size): a value within the limit as the
+-- server holds it can still have a longer canonical text (an escaped control character is one
+-- byte in jsonb and six in the text), and a size is checked on what is built, not after.
+-- octet_length of a text in memory reads its header; the settings row is read only above
+-- 64 KiB. So STABLE (it was IMMUTABLE before 0.12.0): whether a value is refused depends on a
+-- table.
+--
+-- legacy => true writes every number in plain decimal, as 0.11.0 and earlier did: the form
+-- whose sha256 keys claimed before 0.12.0 hold, which claim() recognises (_legacy_fingerprint
+-- calls it only after computing, without expanding anything, that the text fits the limit).
+CREATE FUNCTION idempotency._canonical_json(
+    value jsonb, fn text, argument text, depth integer, legacy boolean
+)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+STRICT
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_text text;
+BEGIN
+    IF _canonical_json.depth > 128 THEN
+        PERFORM idempotency._invalid_argument(
+            _canonical_json.fn, _canonical_json.argument, 'IK014',
+            'must not nest arrays and objects more than 128 deep');
+    END IF;
+    CASE jsonb_typeof(_canonical_json.value)
+        WHEN 'object' THEN
+            v_text := '{' || coalesce((
+                SELECT string_agg(
+                    to_json(m.key)::text || ':' || CASE jsonb_typeof(m.value)
+                        WHEN 'number' THEN CASE
+                            WHEN _canonical_json.legacy
+                                 OR (abs(m.value::numeric) < 1e21
+                                     AND (abs(m.value::numeric) >= 1e-7
+                                          OR m.value::numeric = 0))
+                                THEN trim_scale(m.value::numeric)::text
+                            ELSE idempotency._canonical_number(m.value::numeric)
+                        END
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        ELSE m.value::text
+                    END,
+                    ',' ORDER BY m.key COLLATE "C")
+                FROM jsonb_each(_canonical_json.value) AS m
+            ), '') || '}';
+        WHEN 'array' THEN
+            v_text := '[' || coalesce((
+                SELECT string_agg(
+                    CASE jsonb_typeof(e.value)
+                        WHEN 'number' THEN CASE
+                            WHEN _canonical_json.legacy
+                                 OR (abs(e.value::numeric) < 1e21
+                                     AND (abs(e.value::numeric) >= 1e-7
+                                          OR e.value::numeric = 0))
+                                THEN trim_scale(e.value::numeric)::text
+                            ELSE idempotency._canonical_number(e.value::numeric)
+                        END
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        ELSE e.value::text
+                    END,
+                    ',' ORDER BY e.ordinality)
+                FROM jsonb_array_elements(_canonical_json.value) WITH ORDINALITY AS e
+            ), '') || ']';
+        WHEN 'number' THEN
+            IF _canonical_json.legacy THEN
+                RETURN trim_scale(_canonical_json.value::numeric)::text;
+            END IF;
+            RETURN idempotency._canonical_number(_canonical_json.value::numeric);
+        ELSE
+            -- string, boolean, null: jsonb's text form is already the canonical one.
+            RETURN _canonical_json.value::text;
+    END CASE;
+    IF octet_length(v_text) > 65536 THEN
+        PERFORM idempotency._check_canonical_size(_canonical_json.fn, _canonical_json.argument,
+                                                  octet_length(v_text));
+    END IF;
+    RETURN v_text;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean) IS
+'Internal: canonical_json() at nesting depth, for fn''s argument (which an error names); with
+legacy, numbers in plain decimal as before 0.12.0.';
+
+-- sql/functions/_legacy_fingerprint.sql
+-- The fingerprint 0.11.0 and earlier gave a request (docs/fingerprint.md, "Before 0.12.0"), or
+-- NULL when it is the same as today's or too large to build. Until 0.12.0 every number was
+-- written in plain decimal, so a request holding a number outside the plain range (|value| >=
+-- 1e21, or below 1e-7 and not 0) had another canonical text and another sha256; a key claimed
+-- with it before the upgrade holds that one. claim() calls this only when a key's fingerprint
+-- differs from the request's, so a retry of such a key still matches after the upgrade.
+--
+-- Expansion is what the fix took away, so it is measured before it is done: the size of the
+-- old text is today's plus, for each number outside the plain range, its plain decimal's
+-- length less its exponent form's, computed from the exponent and the digits. Over
+-- settings.max_request_bytes the old text is not built (NULL: the key answers mismatch, never
+-- replay); within it, _canonical_json builds it with legacy => true.
+CREATE FUNCTION idempotency._legacy_fingerprint(request jsonb, fn text, argument text)
+RETURNS bytea
+LANGUAGE plpgsql
+STABLE
+STRICT
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_extra numeric;
+    v_limit integer;
+BEGIN
+    -- Every number at any depth outside the plain range (the 128-level limit held for today's
+    -- text before this is called). t is its exponent form: sign, digits, "e", exponent.
+    SELECT sum(
+        CASE WHEN x.exponent >= 0
+            -- digits before the point, then the fractional ones if any
+            THEN x.exponent + 1 + CASE WHEN x.digits - 1 > x.exponent
+                                      THEN x.digits - x.exponent ELSE 0 END
+            -- "0.", the zeros after the point, the digits
+            ELSE 1 - x.exponent + x.digits
+        END - (octet_length(x.t) - x.negative))
+    INTO v_extra
+    FROM (
+        SELECT
+            n.t,
+            CASE WHEN left(n.t, 1) = '-' THEN 1 ELSE 0 END AS negative,
+            split_part(n.t, 'e', 2)::bigint AS exponent,
+            length(translate(split_part(n.t, 'e', 1), '-.', '')) AS digits
+        FROM (
+            SELECT idempotency._canonical_number(v::numeric) AS t
+            FROM jsonb_path_query(
+                _legacy_fingerprint.request,
+                ('strict $.** ? (@.type() == "number" && (@ >= 1e21 || @ <= -1e21 '
+                 || '|| (@ < 1e-7 && @ > -1e-7 && @ != 0)))')::jsonpath) AS v
+        ) AS n
+    ) AS x;
+    IF v_extra IS NULL THEN
+        RETURN NULL;  -- no such number: the old text is today's
+    END IF;
+    SELECT s.max_request_bytes INTO v_limit FROM idempotency.settings AS s;
+    IF octet_length(idempotency._canonical_json(
+           _legacy_fingerprint.request, _legacy_fingerprint.fn, _legacy_fingerprint.argument,
+           1, false)) + v_extra > coalesce(v_limit, 1048576) THEN
+        RETURN NULL;
+    END IF;
+    RETURN sha256(convert_to(idempotency._canonical_json(
+        _legacy_fingerprint.request, _legacy_fingerprint.fn, _legacy_fingerprint.argument, 1,
+        true), 'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._legacy_fingerprint(jsonb, text, text) IS
+'Internal: sha256 of request''s canonical text as 0.11.0 wrote it (every number in plain
+decimal), or NULL when that text is today''s or larger than settings.max_request_bytes.';
+
+-- sql/functions/canonical_json.sql
+-- The canonical text of a JSON value (docs/fingerprint.md); the work is done by
+-- idempotency._canonical_json, which says which argument of which function was refused.
+-- PL/pgSQL (a SQL function before 0.11.0) for the size check before that work (_check_size).
+-- STABLE, not IMMUTABLE (as it was before 0.11.0): above 64 KiB the check reads
+-- settings.max_request_bytes, so whether a value is refused depends on a table, and the planner
+-- may fold an IMMUTABLE call once and keep its answer (a cached plan, an index expression that
+-- a later REINDEX or restore evaluates again under another limit). The limit stays the
+-- setting's, the same as claim()'s for the request it fingerprints. Its cost: none measured
+-- (backend CPU per call, 43.5 us either way, docs/fingerprint.md); claim() does not call it.
+CREATE OR REPLACE FUNCTION idempotency.canonical_json(value jsonb)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+STRICT
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pg_column_size(canonical_json.value) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
+                                        pg_column_size(canonical_json.value),
+                                        'max_request_bytes');
+    END IF;
+    RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',
+                                       'value', 1, false);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
+'Canonical text of a JSON value (sorted keys, numbers in plain decimal or, outside 1e-7 <= |n| <
+1e21, as digits and exponent, minimal escapes, no whitespace), as defined in
+docs/fingerprint.md. Refuses a value or a canonical text larger than settings.max_request_bytes
+(IK018).';
+
+-- sql/functions/fingerprint.sql
+-- sha256 of the canonical request. defaults are applied first (a shallow merge: a top-level
+-- field the request omits takes its default, so omitting a field and sending its default give
+-- the same fingerprint); then, when fields is given, only those top-level fields count, so
+-- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
+-- retry into a mismatch.
+--
+-- STABLE, not IMMUTABLE (as it was before 0.11.0), for the reason given in canonical_json.sql:
+-- its size check reads settings.max_request_bytes. A request passed to claim(..., NULL,
+-- fingerprint => fingerprint(request, defaults, fields)) is thus refused at the same size as
+-- one passed as claim's request.
+CREATE OR REPLACE FUNCTION idempotency.fingerprint(
+    request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
+)
+RETURNS bytea
+LANGUAGE plpgsql
+STABLE
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_request jsonb := fingerprint.request;
+BEGIN
+    IF v_request IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    -- Sizes before any work on them (see _check_size).
+    IF pg_column_size(v_request) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
+                                        pg_column_size(v_request), 'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.defaults) > 65536 THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
+                                        pg_column_size(fingerprint.defaults),
+                                        'max_request_bytes');
+    END IF;
+    IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
+        IF jsonb_typeof(v_request) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'request', 'IK015',
+                'must be a JSON object when defaults or fields are given',
+                format('It is a JSON %s.', jsonb_typeof(v_request)));
+        END IF;
+        IF jsonb_typeof(fingerprint.defaults) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
+                format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
+        END IF;
+        IF array_ndims(fingerprint.fields) > 1 THEN
+            -- (array_position would raise 0A000 on it.)
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'fields', 'IK015', 'must be a one-dimensional array',
+                format('It has %s dimensions.', array_ndims(fingerprint.fields)));
+        END IF;
+        IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
+                                                  'must not contain NULL');
+        END IF;
+        v_request := coalesce(fingerprint.defaults, '{}') || v_request;
+        IF fingerprint.fields IS NOT NULL THEN
+            SELECT coalesce(jsonb_object_agg(m.key, m.value), '{}') INTO v_request
+            FROM jsonb_each(v_request) AS m
+            WHERE m.key = ANY(fingerprint.fields);
+        END IF;
+    END IF;
+    RETURN sha256(convert_to(
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1,
+                                    false),
+        'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.fingerprint(jsonb, jsonb, text[]) IS
+'sha256 (32 bytes) of the canonical form of request, after applying defaults and keeping only
+fields when given. Definition and test vectors: docs/fingerprint.md, tests/vectors/fingerprint.json.';
+
+-- sql/functions/derive_key.sql
+-- A key for a downstream call made while handling (scope, key): the same on every retry of the
+-- intent, so the downstream system deduplicates the retries too, and different for each step,
+-- so two calls of one intent never collide. Hashing keeps it short and opaque: the downstream
+-- system sees neither the scope (often a tenant id) nor the client's key.
+--
+-- The hashed text is the canonical JSON of [scope, key, step] (docs/fingerprint.md), written
+-- here directly: three strings, each as to_json writes it (the escaping jsonb's text output and
+-- _canonical_json use). IMMUTABLE, so it calls neither canonical_json nor _canonical_json: both
+-- are STABLE (they read settings.max_request_bytes), a limit three names of at most 255
+-- characters never reach. The keys are those of every earlier version.
+CREATE OR REPLACE FUNCTION idempotency.derive_key(scope text, key text, step text)
+RETURNS text
+LANGUAGE plpgsql
+IMMUTABLE
+-- SECURITY DEFINER: it calls the internal _check_name, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    PERFORM idempotency._check_name('idempotency.derive_key', 'scope', derive_key.scope);
+    PERFORM idempotency._check_name('idempotency.derive_key', 'key', derive_key.key);
+    PERFORM idempotency._check_name('idempotency.derive_key', 'step', derive_key.step);
+    RETURN encode(sha256(convert_to(
+        '[' || to_json(derive_key.scope)::text || ',' || to_json(derive_key.key)::text || ','
+        || to_json(derive_key.step)::text || ']', 'UTF8')), 'hex');
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.derive_key(text, text, text) IS
+'Deterministic key (64 lower-case hex characters) for the downstream call "step" of (scope, key):
+hex(sha256(canonical_json([scope, key, step]))).';
+
+-- sql/functions/claim.sql
+-- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
+-- retries see the claim at once: a concurrent claim of the same key waits until this
+-- transaction ends (see sql/tables/key_directory.sql).
+--
+-- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
+-- lease expired; you own it under a higher token and should reconcile from recovery_point),
+-- replay (completed: return the stored response), accepted (a long-running operation's owner
+-- stored an interim response with accept(): return it), in_progress (someone holds a live lease:
+-- retry after retry_after), mismatch (the key was used with a different request: never execute,
+-- never replay), expired (maintain() dropped the key after its retention and kept only a
+-- tombstone, settings.tombstones: never execute, never replay).
+CREATE OR REPLACE FUNCTION idempotency.claim(
+    scope text,
+    key text,
+    request jsonb,
+    lease interval DEFAULT '30 seconds',
+    fingerprint bytea DEFAULT NULL,
+    strict boolean DEFAULT false,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+-- SECURITY DEFINER so that an application role can claim keys without any privilege on the
+-- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_key_hash bytea;
+    v_created_at timestamptz;
+    v_existing idempotency.keys;
+    v_previous bigint;
+    v_insert boolean;
+    v_result idempotency.claim_result;
+BEGIN
+    -- The common call (a fresh key, valid arguments, our own fingerprint, READ COMMITTED, no
+    -- test clock) passes one inlined test: PL/pgSQL builds each expression's executor state
+    -- once per transaction, and every claim is a transaction of its own, so each IF and
+    -- assignment has a cost per call however cheap its test, and more for every function
+    -- it calls (docs/design.md, "Performance decisions"). Anything else
+    -- takes the branch below, which checks in the documented order and says what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL.
+    IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
+                    AND octet_length(claim.fingerprint) = 32
+                    AND idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease)
+                    AND current_setting('transaction_isolation') = 'read committed',
+                    false) THEN
+        IF claim.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.claim', claim.reference_time);
+        END IF;
+        PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
+        PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
+        PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
+        IF claim.fingerprint IS NOT NULL THEN
+            IF claim.request IS NOT NULL THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK016',
+                    'must be NULL when request is given',
+                    'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                    || 'fingerprint, not both.');
+            ELSIF octet_length(claim.fingerprint) <> 32 THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                    format('It is %s bytes long.', octet_length(claim.fingerprint)));
+            END IF;
+        ELSIF claim.request IS NULL THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+                'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+        ELSE
+            -- The size first, before canonicalizing (see _check_size; the settings row is
+            -- read only above 64 KiB, the smallest limit allowed).
+            IF pg_column_size(claim.request) > 65536 THEN
+                PERFORM idempotency._check_size('idempotency.claim', 'request',
+                                                pg_column_size(claim.request),
+                                                'max_request_bytes');
+            END IF;
+            -- fingerprint(request) without its defaults/fields handling, saving a call. The
+            -- argument holds the fingerprint from here on, whichever way it came.
+            claim.fingerprint := sha256(convert_to(
+                idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1,
+                                            false),
+                'UTF8'));
+        END IF;
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            PERFORM idempotency._require_read_committed('idempotency.claim');
+        END IF;
+    END IF;
+    -- Citus: a new key's two rows by static statements on the scope's shards, when this node
+    -- holds them (see _make_routes); otherwise (a NULL outcome: the key exists, or its shards
+    -- are elsewhere) the statements below, through Citus. _local_shards() folds to a constant:
+    -- false on one server, where this IF is one cheap test per call; true on a cluster.
+    -- Outside the branch above, so that a common call on a cluster skips the checks: there
+    -- each is planned afresh on every call (_citus_custom_plans), a noticeable part of a
+    -- worker's CPU when every claim took them.
+    IF idempotency._local_shards() THEN
+        v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
+                                                 claim.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+    END IF;
+
+    -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
+    -- below either makes this claim the key's one owner, or waits for a concurrent claim of the
+    -- same key to end and then does nothing. Each later statement takes a snapshot after that,
+    -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
+    -- on the node that holds the scope's shard, however the call arrived.
+    INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+    VALUES (claim.scope, sha256(convert_to(claim.key, 'UTF8')), v_now)
+    ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+    -- A new key (the common case) goes straight to its row below; a taken one is looked at.
+    IF NOT FOUND THEN
+        v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
+        v_insert := false;
+        FOR attempt IN 1 .. 5 LOOP
+            IF attempt > 1 THEN
+                -- Looking again (see the CONTINUEs below): the key may be free by now.
+                INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+                VALUES (claim.scope, v_key_hash, v_now)
+                ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+                v_insert := FOUND;
+                EXIT WHEN v_insert;
+            END IF;
+
+            SELECT e.created_at INTO v_created_at
+            FROM idempotency.key_directory AS e
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+            IF NOT FOUND THEN
+                -- Dropped (maintain) since the insert looked: insert again.
+                CONTINUE;
+            END IF;
+            -- The row in the one partition created_at names, by a static statement on that
+            -- partition (see _make_routes).
+            v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+            IF v_existing.scope IS NULL THEN
+                -- The key's row is gone (its partition was dropped after its retention): a
+                -- tombstone answers expired (settings.tombstones); without one the key is new
+                -- again, under the same directory row.
+                SELECT 'expired', t.response_status, t.created_at
+                INTO v_result.outcome, v_result.response_status, v_result.created_at
+                FROM idempotency.tombstones AS t
+                WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+                  AND t.created_at = v_created_at AND t.expires_at > v_now;
+                IF FOUND THEN
+                    RETURN v_result;
+                END IF;
+            ELSIF v_existing.state = 'released' THEN
+                -- Released by its owner after a failure with no side effect: the key is new
+                -- again (even for another request), and its next owner's token must still be
+                -- greater than the released owner's (see _new_token). The released row goes,
+                -- compared and set on its token so that only one of two concurrent claims
+                -- takes it, by a static statement on its one partition (see _make_routes; a
+                -- DELETE on the parent would lock every partition).
+                CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
+                    claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
+                v_previous := v_existing.lease_token;
+            ELSIF v_existing.fingerprint <> claim.fingerprint
+                  -- A key claimed before 0.12.0 may hold the sha256 of the request's old
+                  -- canonical text (numbers in plain decimal): computed only here, when the
+                  -- fingerprints differ, and only from a request (a caller's own fingerprint
+                  -- cannot be recomputed). AND evaluates left to right and stops at false.
+                  AND coalesce(v_existing.fingerprint IS DISTINCT FROM
+                               idempotency._legacy_fingerprint(
+                                   claim.request, 'idempotency.claim', 'request'),
+                               true) THEN
+                IF claim.strict THEN
+                    RAISE EXCEPTION USING
+                        MESSAGE = format('idempotency.claim: key %s in scope %s was used with '
+                                         'a different request', to_json(claim.key),
+                                         to_json(claim.scope)),
+                        ERRCODE = 'IK002',
+                        -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                        -- replay the stored response to a caller that does not know the
+                        -- request.
+                        DETAIL = format('This request''s fingerprint is %s.',
+                                        encode(claim.fingerprint, 'hex')),
+                        HINT = 'Use a new idempotency key for a different request.';
+                END IF;
+                v_result.outcome := 'mismatch';
+                v_result.created_at := v_existing.created_at;
+                RETURN v_result;
+            ELSE
+                v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+                -- (A composite IS NOT NULL only when every field is; test the outcome.)
+                IF v_result.outcome IS NOT NULL THEN
+                    RETURN v_result;
+                END IF;
+                -- Lost a takeover race to the owner's own heartbeat/complete/release: look
+                -- again.
+                CONTINUE;
+            END IF;
+            -- Gone or released: the directory row moves to the new key row, compared on the
+            -- created_at read above; a concurrent claim that moved it first makes this one
+            -- look again.
+            UPDATE idempotency.key_directory AS e
+            SET created_at = v_now
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+              AND e.created_at = v_created_at;
+            v_insert := FOUND;
+            EXIT WHEN v_insert;
+        END LOOP;
+        IF NOT v_insert THEN
+            -- Five lost races in a row means the owner is actively heartbeating: in progress.
+            v_result.outcome := 'in_progress';
+            v_result.retry_after := claim.lease;
+            RETURN v_result;
+        END IF;
+    END IF;
+
+    -- This claim owns the key: its row, in the partition v_now names, with a token above the
+    -- released owner's if there was one.
+    INSERT INTO idempotency.keys AS k (
+        scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+    )
+    VALUES (claim.scope, claim.key, claim.fingerprint, 'in_progress',
+            idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+    -- Only the fields a new claim has (the others are NULL): each column returned costs
+    -- executor set-up twice per call, for the parent and for the partition the row goes to.
+    RETURNING 'claimed', k.lease_token, k.lease_expires_at, k.attempts, k.created_at
+    INTO v_result.outcome, v_result.lease_token, v_result.lease_expires_at, v_result.attempts,
+         v_result.created_at;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
+'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
+mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is a test clock that
+only the schema owner may pass; leave it NULL. See docs/sql-api.md.';
+
+DROP FUNCTION idempotency._canonical_json(jsonb, text, text, integer);
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

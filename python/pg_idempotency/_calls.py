@@ -20,7 +20,7 @@ from ._exec import Gen, Query
 from ._log import log, logger
 from ._results import AbandonedKey, ClaimResult, Outcome, json_body, load_time
 from .errors import LeaseLost, LeaseLostCompleted, UsageError
-from .fingerprint import canonical_json, request_fingerprint
+from .fingerprint import LegacyFingerprint, canonical_json, request_fingerprint
 
 #: The engine's default lease (claim's ``lease DEFAULT '30 seconds'``).
 DEFAULT_LEASE = timedelta(seconds=30)
@@ -45,6 +45,10 @@ def claim_query(scope: str, key: str, request: Any, lease: timedelta | float,
         # of tests/vectors prove it), so the database does not canonicalize it (issue 32).
         # With both given the server refuses the pair (IK016), as before.
         fingerprint, request = request_fingerprint(request), None
+    if isinstance(fingerprint, LegacyFingerprint) and fingerprint.legacy is not None:
+        # A key claimed before 0.12.0 may hold the request's old fingerprint: not strict here,
+        # so that a mismatch comes back as an outcome and claimed() tries the old one (strict).
+        strict = False
     return Query(Q.CLAIM, {
         "scope": scope, "key": key,
         "request": jsonb(request) if request is not None else None,
@@ -61,12 +65,20 @@ def _log_claim(event: str, scope: str, key: str, result: ClaimResult) -> None:
             recovery_point=None if result.recovery_point is None else "set")
 
 
-def claimed(q: Query, call: str, scope: str, key: str) -> Gen[ClaimResult]:
+def claimed(q: Query, call: str, scope: str, key: str,
+            strict: bool = False) -> Gen[ClaimResult]:
     """Run a claim or a takeover: its result, logged and observed (telemetry)."""
     obs = telemetry.start(call, scope, key)
     try:
         row = yield q
         result = row if isinstance(row, ClaimResult) else ClaimResult.from_row(row)
+        legacy = getattr(q.params.get("fingerprint"), "legacy", None)
+        if result.outcome is Outcome.MISMATCH and legacy is not None:
+            # Its request's fingerprint before 0.12.0 (LegacyFingerprint): the same claim with
+            # it, strict as asked, matches a key claimed before the upgrade.
+            row = yield Query(q.sql, {**q.params, "fingerprint": legacy, "strict": strict},
+                              alone=q.alone, binary_sql=q.binary_sql)
+            result = row if isinstance(row, ClaimResult) else ClaimResult.from_row(row)
     except BaseException as exc:
         telemetry.end(obs, telemetry.ERROR, error=exc)
         raise
@@ -83,7 +95,7 @@ def claim(scope: str, key: str, request: Any = None, *,
     right after): other retries must see the claim at once."""
     return (yield from claimed(
         claim_query(scope, key, request, lease, fingerprint, strict, reference_time),
-        "claim", scope, key))
+        "claim", scope, key, strict))
 
 
 def takeover(scope: str, key: str, *, lease: timedelta | float = DEFAULT_LEASE,

@@ -28,8 +28,9 @@ from typing import Any
 
 from .errors import InvalidArgument, invalid_argument
 
-__all__ = ["MAX_REQUEST_BYTES", "InvalidArgument", "canonical_json", "derive_key",
-           "describe_request", "fingerprint", "key_hash", "loads", "request_fingerprint"]
+__all__ = ["MAX_REQUEST_BYTES", "InvalidArgument", "LegacyFingerprint", "canonical_json",
+           "derive_key", "describe_request", "fingerprint", "key_hash", "loads",
+           "request_fingerprint"]
 
 # numeric's limits (PostgreSQL src/backend/utils/adt/numeric.c): at most 131072 digits before
 # the decimal point and a display scale of at most 16383 digits after it. jsonb input beyond
@@ -188,8 +189,30 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
             wanted = set(fields)
             merged = {k: v for k, v in merged.items() if k in wanted}
         request = merged
-    text = _canonical_text(request, fn, "request")
-    return hashlib.sha256(text.encode("utf-8")).digest()
+    build = _Build(fn, "request", None)
+    text = _canonical_text(request, fn, "request", build)
+    return _fingerprint(hashlib.sha256(text.encode("utf-8")).digest(), request, build)
+
+
+class LegacyFingerprint(bytes):
+    """A fingerprint (the 32 bytes, as any other) of a request holding a number outside
+    1e-7 <= |n| < 1e21, which the canonical text writes with an exponent since 0.12.0: before,
+    it was written in plain decimal, so a key claimed with the same request before the upgrade
+    holds another sha256. ``request`` is the value it was computed from. The package's claim
+    sends that request instead of the fingerprint, and the server's claim() compares the
+    request's old form too when the fingerprints differ (docs/fingerprint.md, "Before
+    0.12.0"), so a retry of such a key still matches. Only these requests go to the server:
+    every other fingerprint is plain ``bytes``."""
+
+    request: Any
+
+
+def _fingerprint(digest: bytes, request: Any, build: _Build) -> bytes:
+    if not build.exponent_form:
+        return digest
+    marked = LegacyFingerprint(digest)
+    marked.request = request
+    return marked
 
 
 #: The largest request, in bytes of its canonical text, that :func:`request_fingerprint`
@@ -205,18 +228,14 @@ def request_fingerprint(request: Any, fn: str = "idempotency.claim",
     canonicalize the request (issue 32: work the application's machines can do does not run on
     the one database). Refuses what claim refuses, with the same SQLSTATEs naming ``fn`` and
     ``argument``: nesting deeper than 128 (IK014), a canonical text longer than
-    :data:`MAX_REQUEST_BYTES` (IK018), and anything jsonb cannot hold."""
-    data = _canonical_text(request, fn, argument).encode("utf-8")
+    :data:`MAX_REQUEST_BYTES` (IK018: checked after each array and object as the text is
+    built, and on its bytes at the end), and anything jsonb cannot hold. A request holding a
+    number written with an exponent gives a :class:`LegacyFingerprint`."""
+    build = _Build(fn, argument, MAX_REQUEST_BYTES)
+    data = _canonical_text(request, fn, argument, build).encode("utf-8")
     if len(data) > MAX_REQUEST_BYTES:
-        # The server's words (idempotency._check_size); it measures the jsonb it holds, this
-        # the canonical text the fingerprint hashes.
-        error = invalid_argument(fn, argument, "IK018", "is too large")
-        error.detail = (f"It is {len(data)} bytes; the limit (settings.max_request_bytes) is "
-                        f"{MAX_REQUEST_BYTES} bytes.")
-        error.hint = ("Nothing was written. Send a smaller request. The package checks the "
-                      "request's canonical JSON against the default limit; see docs/errors.md.")
-        raise error
-    return hashlib.sha256(data).digest()
+        raise _too_large(fn, argument, len(data), MAX_REQUEST_BYTES)
+    return _fingerprint(hashlib.sha256(data).digest(), request, build)
 
 
 def key_hash(scope: str, key: str) -> str:
@@ -305,8 +324,12 @@ def _check_value(value: Any, fn: str, argument: str) -> None:
             _check_value(v, fn, argument)
 
 
-def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
-    """trim_scale(value::numeric)::text."""
+def _number(value: int | float | Decimal, fn: str, argument: str,
+            build: _Build | None = None) -> str:
+    """idempotency._canonical_number(value): trim_scale(value::numeric)::text when the exponent
+    of the first significant digit (``adjusted()``) is within -7..20 (1e-7 <= |value| < 1e21),
+    else the significant digits and that exponent (1.5e21), never the expansion of a huge or
+    tiny number. Marks ``build`` when it writes the exponent form."""
     if type(value) is int and -_PLAIN_INT < value < _PLAIN_INT:
         return str(value)  # what the Decimal path below gives for an int this small
     if isinstance(value, float):
@@ -327,10 +350,21 @@ def _number(value: int | float | Decimal, fn: str, argument: str) -> str:
                               "(131072 digits before the point, 16383 after)")
     if value.is_zero():
         return "0"  # numeric has no negative zero, and 0.000 trims to 0
-    text = format(value, "f")
-    if "." in text:
-        text = text.rstrip("0").rstrip(".")
-    return text
+    adjusted = value.adjusted()
+    if -7 <= adjusted <= 20:
+        text = format(value, "f")
+        if "." in text:
+            text = text.rstrip("0").rstrip(".")
+        return text
+    if build is not None:
+        build.exponent_form = True
+    sign, digits, _ = value.as_tuple()
+    end = len(digits)
+    while digits[end - 1] == 0:
+        end -= 1  # the last digit of a non-zero value's digits that is not 0
+    rest = "".join(map(str, digits[1:end]))
+    return (("-" if sign else "") + str(digits[0]) + ("." + rest if rest else "")
+            + "e" + str(adjusted))
 
 
 def _string(s: str, fn: str, argument: str) -> str:
@@ -346,12 +380,45 @@ def _string(s: str, fn: str, argument: str) -> str:
 MAX_DEPTH = 128
 
 
-def _object(value: Mapping[str, Any], fn: str, argument: str, depth: int) -> str:
+class _Build:
+    """What :func:`_canonical` keeps while it builds one text: the size limit it checks the text
+    against as it grows (``limit``, in characters; None: none), and whether a number was written
+    in the exponent form (``exponent_form``), so that its text differs from 0.11.0's."""
+
+    __slots__ = ("exponent_form", "fn", "argument", "limit")
+
+    def __init__(self, fn: str, argument: str, limit: int | None) -> None:
+        self.exponent_form = False
+        self.fn, self.argument, self.limit = fn, argument, limit
+
+    def check(self, text: str) -> str:
+        """``text``, an array or object just built, within the limit; else IK018 at once.
+        Characters are at most bytes, so a text over the limit in characters is over it in
+        bytes; the caller measures the bytes of the whole text at the end."""
+        if self.limit is not None and len(text) > self.limit:
+            raise _too_large(self.fn, self.argument, len(text), self.limit, "at least ")
+        return text
+
+
+def _too_large(fn: str, argument: str, size: int, limit: int, at_least: str = "") -> Exception:
+    # The server's words (idempotency._check_canonical_size): the canonical text the
+    # fingerprint hashes, measured as it is built.
+    error = invalid_argument(fn, argument, "IK018", "is too large")
+    error.detail = (f"Its canonical JSON (docs/fingerprint.md) is {at_least}{size} bytes; the "
+                    f"limit (settings.max_request_bytes) is {limit} bytes.")
+    error.hint = ("Nothing was written. Send a smaller request. The package checks the "
+                  "request's canonical JSON against the default limit; see docs/errors.md.")
+    return error
+
+
+def _object(value: Mapping[str, Any], fn: str, argument: str, depth: int,
+            build: _Build | None = None) -> str:
     """An object whose keys are known to be strings: members sorted by key, no whitespace."""
-    return "{" + ",".join(
-        _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1)
+    text = "{" + ",".join(
+        _string(k, fn, argument) + ":" + _canonical(value[k], fn, argument, depth + 1, build)
         for k in sorted(value)
     ) + "}"
+    return text if build is None else build.check(text)
 
 
 def _not_plain(value: Any) -> Any:
@@ -372,9 +439,11 @@ _SORTED_DUMPS = json.JSONEncoder(ensure_ascii=False, allow_nan=False, sort_keys=
 #: json.loads that refuses floats (made once: json.loads with an argument makes a decoder per
 #: call).
 _LOADS_NO_FLOAT = json.JSONDecoder(parse_float=_no_float).decode
+#: 22 digits in a row: maybe an integer of 1e21 or more, which _number writes with an exponent.
+_LONG_INT = re.compile("[0-9]{22}").search
 
 
-def _canonical_text(value: Any, fn: str, argument: str) -> str:
+def _canonical_text(value: Any, fn: str, argument: str, build: _Build | None = None) -> str:
     """:func:`_canonical` of ``value``, by the C encoder when that provably gives the same text
     (the common case: a payment request), else by :func:`_canonical` itself, which also says
     what is wrong. The C encoder's text is _canonical's when it holds no float (a
@@ -383,23 +452,26 @@ def _canonical_text(value: Any, fn: str, argument: str) -> str:
     unpaired surrogate, and nothing nests deeper than MAX_DEPTH. The text read back without
     floats (_no_float) and equal to ``value`` proves the first two; a text with no ``\\u0000``
     that encodes as UTF-8 the third; at most MAX_DEPTH brackets in all (inside strings too)
-    the last. Integers are written alike by both (digits; one too long for str() raises and
-    takes the slow path). Every doubt takes the slow path, which is always right. An empty
-    dict (complete's headers, most of the time) is ``{}`` at once."""
+    the last. Integers below 1e21 are written alike by both (digits; one too long for str()
+    raises and takes the slow path); a run of 22 digits anywhere in the text (an integer of
+    1e21 or more, written with an exponent by _number, or only digits in a string) takes the
+    slow path. Every doubt takes the slow path, which is always right. An empty dict
+    (complete's headers, most of the time) is ``{}`` at once."""
     if type(value) is dict and not value:
         return "{}"
     try:
         text = _SORTED_DUMPS(value)
         if ("\\u0000" not in text and text.count("{") + text.count("[") <= MAX_DEPTH
-                and _LOADS_NO_FLOAT(text) == value):
+                and _LONG_INT(text) is None and _LOADS_NO_FLOAT(text) == value):
             text.encode("utf-8")  # an unpaired surrogate: UnicodeEncodeError
             return text
     except (_NotPlain, TypeError, ValueError, RecursionError):
         pass  # (UnicodeEncodeError and json's errors are ValueErrors)
-    return _canonical(value, fn, argument)
+    return _canonical(value, fn, argument, 1, build)
 
 
-def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
+def _canonical(value: Any, fn: str, argument: str, depth: int = 1,
+               build: _Build | None = None) -> str:
     kind = type(value)
     if kind is str:
         return _string(value, fn, argument)
@@ -409,7 +481,7 @@ def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
             if type(k) is not str:
                 break
         else:
-            return _object(value, fn, argument, depth)
+            return _object(value, fn, argument, depth, build)
     if value is None:
         return "null"
     if value is True:
@@ -419,7 +491,7 @@ def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
     if isinstance(value, str):
         return _string(value, fn, argument)
     if isinstance(value, (int, float, Decimal)):
-        return _number(value, fn, argument)
+        return _number(value, fn, argument, build)
     if isinstance(value, (Mapping, list, tuple)) and depth > MAX_DEPTH:
         raise invalid_argument(fn, argument, "IK014",
                               f"must not nest arrays and objects more than {MAX_DEPTH} deep")
@@ -428,8 +500,9 @@ def _canonical(value: Any, fn: str, argument: str, depth: int = 1) -> str:
             if not isinstance(k, str):
                 raise invalid_argument(fn, argument, "22P02",
                                       f"has an object key {k!r} that is not a string")
-        return _object(value, fn, argument, depth)
+        return _object(value, fn, argument, depth, build)
     if isinstance(value, (list, tuple)):
-        return "[" + ",".join(_canonical(v, fn, argument, depth + 1) for v in value) + "]"
+        text = "[" + ",".join(_canonical(v, fn, argument, depth + 1, build) for v in value) + "]"
+        return text if build is None else build.check(text)
     raise invalid_argument(fn, argument, "22P02",
                           f"contains a {type(value).__name__}, which is not a JSON value")

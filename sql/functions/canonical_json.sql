@@ -24,11 +24,12 @@ BEGIN
                                         'max_request_bytes');
     END IF;
     RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',
-                                       'value', 1);
+                                       'value', 1, false);
 END;
 $$;
 
 COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
-'Canonical text of a JSON value (sorted keys, plain decimal numbers, minimal escapes, no
-whitespace), as defined in docs/fingerprint.md. Refuses a value larger than
-settings.max_request_bytes (IK018).';
+'Canonical text of a JSON value (sorted keys, numbers in plain decimal or, outside 1e-7 <= |n| <
+1e21, as digits and exponent, minimal escapes, no whitespace), as defined in
+docs/fingerprint.md. Refuses a value or a canonical text larger than settings.max_request_bytes
+(IK018).';

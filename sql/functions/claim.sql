@@ -83,7 +83,8 @@ BEGIN
             -- fingerprint(request) without its defaults/fields handling, saving a call. The
             -- argument holds the fingerprint from here on, whichever way it came.
             claim.fingerprint := sha256(convert_to(
-                idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1),
+                idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1,
+                                            false),
                 'UTF8'));
         END IF;
         IF current_setting('transaction_isolation') <> 'read committed' THEN
@@ -159,7 +160,15 @@ BEGIN
                 CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
                     claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
                 v_previous := v_existing.lease_token;
-            ELSIF v_existing.fingerprint <> claim.fingerprint THEN
+            ELSIF v_existing.fingerprint <> claim.fingerprint
+                  -- A key claimed before 0.12.0 may hold the sha256 of the request's old
+                  -- canonical text (numbers in plain decimal): computed only here, when the
+                  -- fingerprints differ, and only from a request (a caller's own fingerprint
+                  -- cannot be recomputed). AND evaluates left to right and stops at false.
+                  AND coalesce(v_existing.fingerprint IS DISTINCT FROM
+                               idempotency._legacy_fingerprint(
+                                   claim.request, 'idempotency.claim', 'request'),
+                               true) THEN
                 IF claim.strict THEN
                     RAISE EXCEPTION USING
                         MESSAGE = format('idempotency.claim: key %s in scope %s was used with '

@@ -66,7 +66,8 @@ BEGIN
         END IF;
     END IF;
     RETURN sha256(convert_to(
-        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1),
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1,
+                                    false),
         'UTF8'));
 END;
 $$;

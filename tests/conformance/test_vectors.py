@@ -172,7 +172,7 @@ def test_python_refuses_invalid_vectors(v: dict) -> None:
 def test_python_values_not_from_text() -> None:
     """Floats, ints, tuples and bools as psycopg's Jsonb would send them."""
     assert canonical_json({"b": 1.5, "a": (1, 2.0, True, None), "c": 10**30}) == (
-        '{"a":[1,2,true,null],"b":1.5,"c":1000000000000000000000000000000}'
+        '{"a":[1,2,true,null],"b":1.5,"c":1e30}'
     )
     assert canonical_json(1e-7) == "0.0000001"
     assert canonical_json(-0.0) == "0"

@@ -90,8 +90,8 @@ SELECT is(idempotency.canonical_json('-1.50'), '-1.5', 'canonical_json: -1.50 is
 SELECT is(idempotency.canonical_json('1e-7'), '0.0000001', 'canonical_json: 1e-7, no exponent');
 SELECT is(idempotency.canonical_json('0.1e1'), '1', 'canonical_json: 0.1e1 is 1');
 SELECT is(
-    idempotency.canonical_json('1e30'), '1000000000000000000000000000000',
-    'canonical_json: 1e30 in plain notation'
+    idempotency.canonical_json('1e30'), '1e30',
+    'canonical_json: 1e30 (from 1e21 on) with an exponent, not expanded'
 );
 SELECT is(
     idempotency.canonical_json('9007199254740993'), '9007199254740993',
@@ -99,7 +99,7 @@ SELECT is(
 );
 SELECT is(
     idempotency.canonical_json('123456789012345678901234567890.1230'),
-    '123456789012345678901234567890.123',
+    '1.23456789012345678901234567890123e29',
     'canonical_json: a large decimal keeps every digit, trailing zero dropped'
 );
 SELECT is(

@@ -614,7 +614,8 @@ SELECT results_eq(
     $$SELECT p.proname::text COLLATE "default", p.provolatile::text FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
-        ('_accept_row', 'v'), ('_canonical_json', 'i'), ('_check_headers', 'i'),
+        ('_accept_row', 'v'), ('_canonical_json', 's'), ('_canonical_number', 'i'),
+        ('_check_canonical_size', 's'), ('_check_headers', 'i'),
         ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
         ('_check_size', 's'), ('_check_time', 'i'),
         ('_checkpoint_row', 'v'), ('_citus_custom_plans', 'v'), ('_claim_row_local', 'v'),
@@ -624,7 +625,8 @@ SELECT results_eq(
         ('_headers_ok', 'i'), ('_heartbeat_row', 'v'),
         ('_invalid_argument', 'v'), ('_keep_from', 's'), ('_key_hash', 'i'), ('_key_row', 'v'),
         ('_lease_error', 's'),
-        ('_lease_ok', 'i'), ('_lease_outcome', 's'), ('_local_shards', 'i'), ('_maintain', 'v'),
+        ('_lease_ok', 'i'), ('_lease_outcome', 's'), ('_legacy_fingerprint', 's'),
+        ('_local_shards', 'i'), ('_maintain', 'v'),
         ('_make_partitions', 'v'),
         ('_make_routes', 'v'), ('_mirror_completer_grants', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
