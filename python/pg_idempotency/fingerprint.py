@@ -190,28 +190,31 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
             merged = {k: v for k, v in merged.items() if k in wanted}
         request = merged
     build = _Build(fn, "request", None)
-    text = _canonical_text(request, fn, "request", build)
-    return _fingerprint(hashlib.sha256(text.encode("utf-8")).digest(), request, build)
+    data = _canonical_text(request, fn, "request", build).encode("utf-8")
+    return _fingerprint(hashlib.sha256(data).digest(), len(data), request, build)
 
 
 class LegacyFingerprint(bytes):
     """A fingerprint (the 32 bytes, as any other) of a request holding a number outside
     1e-7 <= |n| < 1e21, which the canonical text writes with an exponent since 0.12.0: before,
     it was written in plain decimal, so a key claimed with the same request before the upgrade
-    holds another sha256. ``request`` is the value it was computed from. The package's claim
-    sends that request instead of the fingerprint, and the server's claim() compares the
-    request's old form too when the fingerprints differ (docs/fingerprint.md, "Before
-    0.12.0"), so a retry of such a key still matches. Only these requests go to the server:
-    every other fingerprint is plain ``bytes``."""
+    holds another sha256. ``legacy`` is that one (None when 0.11.0's text is longer than
+    :data:`MAX_REQUEST_BYTES`: measured before it is built, and never built). The package's
+    claim, given such a fingerprint and answered ``mismatch``, claims again with ``legacy``
+    (docs/fingerprint.md, "Before 0.12.0"). Every other fingerprint is plain ``bytes``."""
 
-    request: Any
+    legacy: bytes | None
 
 
-def _fingerprint(digest: bytes, request: Any, build: _Build) -> bytes:
+def _fingerprint(digest: bytes, size: int, request: Any, build: _Build) -> bytes:
     if not build.exponent_form:
         return digest
     marked = LegacyFingerprint(digest)
-    marked.request = request
+    marked.legacy = None
+    if size + build.extra <= MAX_REQUEST_BYTES:
+        old = _canonical(request, build.fn, build.argument, 1,
+                         _Build(build.fn, build.argument, None, legacy=True))
+        marked.legacy = hashlib.sha256(old.encode("utf-8")).digest()
     return marked
 
 
@@ -235,7 +238,7 @@ def request_fingerprint(request: Any, fn: str = "idempotency.claim",
     data = _canonical_text(request, fn, argument, build).encode("utf-8")
     if len(data) > MAX_REQUEST_BYTES:
         raise _too_large(fn, argument, len(data), MAX_REQUEST_BYTES)
-    return _fingerprint(hashlib.sha256(data).digest(), request, build)
+    return _fingerprint(hashlib.sha256(data).digest(), len(data), request, build)
 
 
 def key_hash(scope: str, key: str) -> str:
@@ -351,20 +354,24 @@ def _number(value: int | float | Decimal, fn: str, argument: str,
     if value.is_zero():
         return "0"  # numeric has no negative zero, and 0.000 trims to 0
     adjusted = value.adjusted()
-    if -7 <= adjusted <= 20:
+    if -7 <= adjusted <= 20 or (build is not None and build.legacy):
         text = format(value, "f")
         if "." in text:
             text = text.rstrip("0").rstrip(".")
         return text
-    if build is not None:
-        build.exponent_form = True
     sign, digits, _ = value.as_tuple()
     end = len(digits)
     while digits[end - 1] == 0:
         end -= 1  # the last digit of a non-zero value's digits that is not 0
     rest = "".join(map(str, digits[1:end]))
-    return (("-" if sign else "") + str(digits[0]) + ("." + rest if rest else "")
+    text = (("-" if sign else "") + str(digits[0]) + ("." + rest if rest else "")
             + "e" + str(adjusted))
+    if build is not None:
+        # What 0.11.0 wrote instead (the plain decimal), measured without writing it.
+        build.exponent_form = True
+        build.extra += sign + (adjusted + 1 + (end - adjusted if end - 1 > adjusted else 0)
+                               if adjusted >= 0 else 1 - adjusted + end) - len(text)
+    return text
 
 
 def _string(s: str, fn: str, argument: str) -> str:
@@ -385,10 +392,15 @@ class _Build:
     against as it grows (``limit``, in characters; None: none), and whether a number was written
     in the exponent form (``exponent_form``), so that its text differs from 0.11.0's."""
 
-    __slots__ = ("exponent_form", "fn", "argument", "limit")
 
-    def __init__(self, fn: str, argument: str, limit: int | None) -> None:
-        self.exponent_form = False
+    __slots__ = ("argument", "exponent_form", "extra", "fn", "legacy", "limit")
+
+    def __init__(self, fn: str, argument: str, limit: int | None, legacy: bool = False) -> None:
+        #: whether a number was written with an exponent, and how much longer 0.11.0's plain
+        #: decimals of those numbers are (bytes)
+        self.exponent_form, self.extra = False, 0
+        #: write every number in plain decimal, as 0.11.0 did
+        self.legacy = legacy
         self.fn, self.argument, self.limit = fn, argument, limit
 
     def check(self, text: str) -> str:

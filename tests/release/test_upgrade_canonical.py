@@ -17,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, login_roles
 from pg_idempotency import api
 from pg_idempotency.core import Outcome
+from pg_idempotency.errors import KeyMismatch
 from pg_idempotency.fingerprint import LegacyFingerprint, fingerprint, loads
 from pgharness import PgServer
 
@@ -84,17 +86,23 @@ def test_keys_claimed_under_0_11_match_after_the_upgrade(server: PgServer, empty
             assert outcome(app, "open", '{"amount": 1}') == "mismatch"
             assert outcome(app, "over", OVER) == "mismatch"  # never a replay
 
-            # Through the new package, which sends such a request instead of its fingerprint.
+            # Through the new package: its fingerprint of such a request carries 0.11.0's,
+            # which it claims with after a mismatch.
             for key, request, expected in [("open", OPEN, Outcome.IN_PROGRESS),
                                            ("fits", FITS, Outcome.IN_PROGRESS),
                                            ("d2", DONE, Outcome.REPLAY),
                                            ("over", OVER, Outcome.MISMATCH)]:
                 value = loads(request)
                 assert api.claim(app, "s", key, value).outcome is expected, key
+                assert api.claim(app, "s", key, value, strict=key != "over").outcome \
+                    is expected, key
                 # the adapters' way: claim(request=None, fingerprint=...)
                 digest = fingerprint(value)
                 assert isinstance(digest, LegacyFingerprint)
                 assert api.claim(app, "s", key, None, fingerprint=digest).outcome is expected
+            # strict: the old fingerprint mismatches too, so the server's IK002
+            with pytest.raises(KeyMismatch):
+                api.claim(app, "s", "over", loads(OVER), strict=True)
             replayed = api.claim(app, "s", "d2", loads(DONE))
             assert (replayed.response.status, replayed.response.body) == (201, {"id": 7})
 

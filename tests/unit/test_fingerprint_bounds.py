@@ -6,9 +6,9 @@
   and 0.8-1.0 GB one 27 KB HTTP body took, and never longer than the JSON text.
 * request_fingerprint (the package's claim) measures the canonical text against
   MAX_REQUEST_BYTES as it builds it: IK018 at the first array or object over the limit.
-* A request holding such a number gets a LegacyFingerprint carrying the request, which the
-  package's claim sends to the server instead (the server recognises keys claimed before
-  0.12.0); every other fingerprint is plain bytes.
+* A request holding such a number gets a LegacyFingerprint carrying 0.11.0's fingerprint of it
+  (which the package's claim tries after a mismatch), computed only when 0.11.0's text fits the
+  limit, measured before it is built; every other fingerprint is plain bytes.
 """
 
 from __future__ import annotations
@@ -71,7 +71,9 @@ def test_growth_shapes_canonicalize_in_bounded_time_and_memory(shape: str) -> No
           f"peak {peak // 1024} kB")
     assert len(canonical) <= len(text)
     assert bytes(digest) == hashlib.sha256(canonical.encode()).digest()
-    assert isinstance(digest, LegacyFingerprint) and digest.request is value
+    assert isinstance(digest, LegacyFingerprint)
+    # 0.11.0's text: over 1 MiB, never built; the big integers' is their JSON text
+    assert (digest.legacy is None) is (shape != "big integers")
     assert elapsed < CALL_BOUND and peak < MEMORY_BOUND, (elapsed, peak)
     if len(canonical) <= MAX_REQUEST_BYTES:
         assert request_fingerprint(value) == digest
@@ -101,10 +103,20 @@ def test_ordinary_fingerprints_are_plain_bytes_and_unchanged() -> None:
     assert digest == hashlib.sha256(
         b'{"amount":1050,"big":100000000000000000000,"currency":"EUR","rate":1.25,'
         b'"tiny":0.0000001}').digest()
-    marked = request_fingerprint({"amount": Decimal("1e21")})
+    marked = request_fingerprint({"amount": Decimal("1e21"), "x": [-1.5e-9, 10**22 + 1]})
     assert isinstance(marked, LegacyFingerprint)
-    assert marked.request == {"amount": Decimal("1e21")}
-    assert marked == hashlib.sha256(b'{"amount":1e21}').digest()
+    assert marked == hashlib.sha256(b'{"amount":1e21,"x":[-1.5e-9,1.0000000000000000000001e22]}'
+                                    ).digest()
+    assert marked.legacy == hashlib.sha256(
+        b'{"amount":1000000000000000000000,"x":[-0.0000000015,10000000000000000000001]}'
+    ).digest()
+    # 0.11.0's text just within the limit is built; one byte more, it is not
+    fits = [Decimal("1e131071")] * 7 + [Decimal("1e" + str(MAX_REQUEST_BYTES - 7 * 131073 - 3))]
+    assert len(canonical_json(fits)) < 200
+    old = fingerprint(fits)
+    assert isinstance(old, LegacyFingerprint) and old.legacy is not None
+    over = fits[:-1] + [Decimal("1e" + str(MAX_REQUEST_BYTES - 7 * 131073 - 2))]
+    assert fingerprint(over).legacy is None  # type: ignore[attr-defined]
 
 
 def test_request_fingerprint_measures_the_text_while_it_builds_it() -> None:
