@@ -23,12 +23,12 @@ from pathlib import Path
 import httpx
 import psycopg
 import pytest
+from helpers.bounds_apps import ADAPTERS, MAX_REQUEST, keys_of, ledger, post, problem, serve
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
-from test_http_bounds import ADAPTERS, MAX_REQUEST, keys_of, ledger, post, problem, serve
 
 from payments_helpers import uvicorn_server, with_pool_lifespan
 from pg_idempotency import asgi as pg_asgi
