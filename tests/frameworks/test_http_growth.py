@@ -24,13 +24,13 @@ import httpx
 import psycopg
 import pytest
 from helpers.bounds_apps import ADAPTERS, MAX_REQUEST, keys_of, ledger, post, problem, serve
+from helpers.http import uvicorn_server, with_pool_lifespan
 from psycopg_pool import AsyncConnectionPool
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route as StarletteRoute
 
-from payments_helpers import uvicorn_server, with_pool_lifespan
 from pg_idempotency import asgi as pg_asgi
 from pg_idempotency.contract import Route
 from pgharness import WAIT_BOUND

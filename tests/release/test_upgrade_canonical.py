@@ -18,8 +18,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import MIGRATION_PSQL_ARGS, MIGRATIONS, login_roles
 
-from conftest import MIGRATION_PSQL_ARGS, MIGRATIONS, login_roles
 from pg_idempotency import api
 from pg_idempotency.core import Outcome
 from pg_idempotency.errors import KeyMismatch

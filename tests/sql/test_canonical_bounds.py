@@ -24,8 +24,8 @@ from typing import Any
 
 import psycopg
 import pytest
+from helpers import login_roles
 
-from conftest import login_roles
 from pgharness import PgServer
 
 MIB = 1024 * 1024
