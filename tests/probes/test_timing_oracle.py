@@ -1,4 +1,4 @@
-"""No timing oracle on wrong-token calls (issue 34): a request role that calls heartbeat,
+"""No timing oracle on wrong-token calls: a request role that calls heartbeat,
 checkpoint or release with a wrong token on someone's (scope, key) must not learn from the
 time the call takes whether the key exists, and in which state.
 
@@ -11,7 +11,7 @@ scope and in another; half were never claimed).
   a third of one before 0.11.0; docs/design.md, "No timing oracle", says what remains).
 The issue's client-side probe (30 calls per key, per-key median against the pooled median) is
 not a test here, since it cannot be held: the residual gap still lets it classify many keys on
-a quiet machine; docs/design.md gives the figures and why.
+a quiet machine; docs/design.md ("No timing oracle") says why.
 The checks compare medians of interleaved calls, so a loaded machine adds noise but no bias
 between the classes; since a burst of load still moves one class's median by a few microseconds,
 a check that fails is measured again (up to ROUNDS times) and each class keeps its least median.
