@@ -137,6 +137,7 @@ def citus_node(request: pytest.FixtureRequest) -> Iterator[CitusCluster]:
         cluster.stop()
 
 
+@pytest.mark.citus  # its one-node cluster is not the citus_cluster fixture the marker follows
 def test_citus_routes_match_the_golden_file(citus_node: CitusCluster) -> None:
     name = f"golden_{uuid.uuid4().hex[:8]}"
     dsn = citus_node.create_database(name)
