@@ -211,8 +211,8 @@ def release(version: str, dry_run: bool) -> int:
     text = CHANGELOG.read_text()
     CHANGELOG.write_text(text.replace(f"## {version} (unreleased)", f"## {version} ({today})",
                                       1))
-    what = (f"migration {latest:04d} frozen in migrations/SHA256SUMS, CHANGELOG.md dated"
-            if ships_migration else "CHANGELOG.md dated (no migration)")
+    what = (f"migration {latest:04d} frozen, changelog dated" if ships_migration
+            else "changelog dated, no migration")
     git("commit", "-q", "-m", f"Release {version}: {what}", "--", *files)
     git("tag", "-a", f"v{version}", "-m", f"pg_idempotency {version}")
     print(f"tagged v{version}; push with: git push origin HEAD v{version}; "
