@@ -392,7 +392,6 @@ class _Build:
     against as it grows (``limit``, in characters; None: none), and whether a number was written
     in the exponent form (``exponent_form``), so that its text differs from 0.11.0's."""
 
-
     __slots__ = ("argument", "exponent_form", "extra", "fn", "legacy", "limit")
 
     def __init__(self, fn: str, argument: str, limit: int | None, legacy: bool = False) -> None:
