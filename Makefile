@@ -243,13 +243,24 @@ bench: setup
 	cp build/bench/cpu.png docs/benchmarks-cpu.png
 
 # The sdist, then the wheel built from the sdist (so a file missing from the sdist fails
-# here), with build and hatchling from .venv (no download), and build/extension/ as a tarball.
+# here), and build/extension/ as a tarball. Only the build frontend and the build backend are
+# installed for it (build/dist-venv: build and hatchling, made once), not the test toolchain
+# of .venv: make dist needs neither root nor the tests' packages.
+DIST_VENV := build/dist-venv
 dist: $(WHEEL) $(EXT_TARBALL)
-$(WHEEL): $(WHEEL_INPUTS) $(wildcard CHANGELOG.md) | $(STAMP)
+$(DIST_VENV)/.installed:
+	rm -rf $(DIST_VENV) && mkdir -p build
+	$(PYTHON) -m venv $(DIST_VENV)
+	@$(DIST_VENV)/bin/pip install 'build>=1' 'hatchling>=1.21' > build/dist-venv.log 2>&1 \
+	  || { cat build/dist-venv.log; exit 1; }
+	@touch $@
+$(WHEEL): $(WHEEL_INPUTS) $(wildcard CHANGELOG.md) | $(DIST_VENV)/.installed
 	rm -rf dist/pg_idempotency-$(PKG_VERSION)* && mkdir -p build
-	$(PY) -m build --no-isolation --outdir dist . > build/dist.log 2>&1 || { cat build/dist.log; exit 1; }
+	$(DIST_VENV)/bin/python -m build --no-isolation --outdir dist . > build/dist.log 2>&1 \
+	  || { cat build/dist.log; exit 1; }
 	@ls dist/pg_idempotency-$(PKG_VERSION)*
-$(EXT_TARBALL): build-ext
+$(EXT_TARBALL): $(shell find sql migrations -type f 2>/dev/null) python/pg_idempotency/schema.py
+	$(PYTHON) tools/build.py
 	@mkdir -p dist
 	tar -C build -czf $@ extension
 
