@@ -112,6 +112,48 @@ def test_psql_loop_as_documented(server: PgServer, empty_db: str) -> None:
     assert _applied(empty_db) == VERSIONS
 
 
+UPGRADE_SCRIPT = _doc_block("set -e\n", "migrations/*.sql")
+
+
+def _run_shell(shell: str, script: str, server: PgServer, dsn: str, migrations: Path = ROOT
+               ) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([shell, "-c", script], cwd=migrations, capture_output=True, text=True,
+                          timeout=WAIT_BOUND, env={
+                              **{k: v for k, v in os.environ.items() if not k.startswith("PG")},
+                              "PATH": f"{server.bindir}:{os.environ['PATH']}",
+                              "DATABASE_URL": dsn})
+
+
+def test_psql_upgrade_script_applies_only_the_missing_files_silently(
+    server: PgServer, empty_db: str, tmp_path: Path
+) -> None:
+    # A database at 0.10.0 (files 0001-0010, as the loop applied them), then the script of
+    # docs/install.md, under POSIX sh and bash: the rest applied, not one line printed.
+    older = tmp_path / "older"
+    (older / "migrations").mkdir(parents=True)
+    for path in MIGRATIONS[:10]:
+        (older / "migrations" / path.name).write_bytes(path.read_bytes())
+    first = _run_shell("bash", UPGRADE_SCRIPT, server, empty_db, older)
+    assert (first.returncode, first.stdout, first.stderr) == (0, "", ""), first.stderr[-3000:]
+    assert _applied(empty_db) == VERSIONS[:10]
+    for shell in ("sh", "bash"):
+        done = _run_shell(shell, UPGRADE_SCRIPT, server, empty_db)
+        assert (done.returncode, done.stdout, done.stderr) == (0, "", ""), shell
+        assert _applied(empty_db) == VERSIONS
+    # A file that fails stops the script with a non-zero status and psql's error: the files
+    # after it are not applied.
+    broken = tmp_path / "broken"
+    (broken / "migrations").mkdir(parents=True)
+    for path in MIGRATIONS:
+        (broken / "migrations" / path.name).write_bytes(path.read_bytes())
+    (broken / "migrations" / "9998_bad.sql").write_text("SELECT 1/0;\n")
+    (broken / "migrations" / "9999_after.sql").write_text("CREATE TABLE after_bad ();\n")
+    failed = _run_shell("sh", UPGRADE_SCRIPT, server, empty_db, broken)
+    assert failed.returncode != 0
+    assert "division by zero" in failed.stderr
+    assert _table_schema(empty_db, "after_bad") == []
+
+
 def test_psql_one_transaction_keeps_the_installers_search_path(
     server: PgServer, empty_db: str
 ) -> None:
