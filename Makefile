@@ -2,7 +2,8 @@
 #
 #   make test    set everything up (Debian packages, .venv, pgTAP for PG 18, extension
 #                build, node-postgres for the conformance runner, Citus built from
-#                ../shared/citus/ into both servers, cached in build/citus/), then lint,
+#                ../shared/citus/ into both servers, cached in build/citus/, pg_tle likewise
+#                from ../shared/pg_tle/, cached in build/pg_tle/), then lint,
 #                then pytest
 #                (PYTEST_WORKERS=3 processes, pytest-xdist) on PostgreSQL 15 and 18 (which compiles the Java and Go runners into
 #                build/conformance/ when their sources changed)
@@ -82,7 +83,7 @@ PYTEST_XDIST   := -n $(PYTEST_WORKERS) --dist load
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export PIP_ROOT_USER_ACTION := ignore
 
-.PHONY: test test-quick quick-pgtap run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus test-user \
+.PHONY: test test-quick quick-pgtap run setup deb-deps venv-python node-deps pgtap-pg18 build-ext citus pg_tle test-user \
         lint bench clean dist wheel-venv release
 
 test: setup
@@ -128,7 +129,8 @@ quick-pgtap: $(STAMP)
 	  exit 1; \
 	fi
 
-setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus wheel-venv test-user
+setup: deb-deps venv-python $(STAMP) pgtap-pg18 build-ext node-deps citus pg_tle wheel-venv \
+       test-user
 
 # A venv made by another interpreter (one the test user cannot run) is made again.
 venv-python:
@@ -187,6 +189,14 @@ build-ext: $(STAMP)
 # the Citus tests fail.
 citus: deb-deps $(STAMP)
 	@$(PY) tools/build_citus.py
+
+# pg_tle 1.5.2 into both servers, from ../shared/pg_tle/, the same way (build/pg_tle/, keyed on
+# release, server version and compiler); then build/pg_tle/pg_idempotency.sql, the extension's
+# registration with pg_tle (docs/managed.md). No sources: a loud warning, and the pg_tle tests
+# fail.
+pg_tle: deb-deps build-ext
+	@$(PY) tools/build_pg_tle.py
+	@$(PY) tools/build_pg_tle.py sql > /dev/null
 
 # What the unprivileged test user needs (root's part; the only root-only step after the
 # builds): every directory above the clone traversable and the clone readable, build/ (what

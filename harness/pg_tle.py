@@ -1,0 +1,75 @@
+"""A server as a managed service offers it: pg_tle preloaded, and no pg_idempotency files.
+
+pg_tle refuses to register an extension whose control file is in the server's extension
+directory, and CREATE EXTENSION would take the file over the registration. The test servers'
+directories hold this checkout's build/extension/ (tests/helpers/servers.py copies it there, and
+PostgreSQL 15's is the system one, shared with every checkout), so a pg_tle server runs from a
+tree of its own: a copy of ``postgres`` (PostgreSQL finds its share and lib directories from
+where its executable really is, symlinks resolved), beside links to everything else of the
+install except the pg_idempotency files. A few milliseconds and 11 MB per tree.
+
+pg_tle itself is built into both installs by ``make setup`` (tools/build_pg_tle.py); without it
+:func:`pg_tle_server` fails, saying so.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from pgharness import HarnessError, PgServer, _clean_env, _process_dir, flavour_bindir
+
+HIDDEN = "pg_idempotency"
+# Copied rather than linked: they locate the install from their own path.
+COPIED = ("postgres", "pg_config")
+
+
+def _pg_config(bindir: Path, option: str) -> Path:
+    return Path(subprocess.run([str(bindir / "pg_config"), option], check=True,
+                               capture_output=True, text=True, env=_clean_env()).stdout.strip())
+
+
+def tree_without(bindir: Path, hidden: str = HIDDEN) -> Path:
+    """The bin directory of a private tree of the install at ``bindir`` whose extension
+    directory lacks the files of extension ``hidden``."""
+    dirs = {name: _pg_config(bindir, f"--{name}") for name in ("bindir", "pkglibdir",
+                                                                 "sharedir")}
+    prefix = Path(os.path.commonpath(list(dirs.values())))
+    root = Path(tempfile.mkdtemp(prefix="tree-", dir=_process_dir()))
+    place = {name: root / path.relative_to(prefix) for name, path in dirs.items()}
+    place["bindir"].mkdir(parents=True)
+    for entry in dirs["bindir"].iterdir():
+        if entry.name in COPIED:
+            shutil.copy2(entry, place["bindir"] / entry.name)
+        else:
+            (place["bindir"] / entry.name).symlink_to(entry)
+    place["pkglibdir"].parent.mkdir(parents=True, exist_ok=True)
+    place["pkglibdir"].symlink_to(dirs["pkglibdir"], target_is_directory=True)
+    place["sharedir"].mkdir(parents=True)
+    for entry in dirs["sharedir"].iterdir():
+        if entry.name != "extension":
+            (place["sharedir"] / entry.name).symlink_to(entry)
+    (place["sharedir"] / "extension").mkdir()
+    for entry in (dirs["sharedir"] / "extension").iterdir():
+        if entry.name != f"{hidden}.control" and not entry.name.startswith(f"{hidden}--"):
+            (place["sharedir"] / "extension" / entry.name).symlink_to(entry)
+    return place["bindir"]
+
+
+def pg_tle_server(flavour: str, name: str = "pg_tle") -> PgServer:
+    """A started server of ``flavour`` (pg15, pg18) with ``shared_preload_libraries =
+    'pg_tle'``, from a tree without pg_idempotency's files; stop it when done."""
+    bindir = flavour_bindir(flavour)
+    extension = _pg_config(bindir, "--sharedir") / "extension" / "pg_tle.control"
+    library = _pg_config(bindir, "--pkglibdir") / "pg_tle.so"
+    if not (extension.is_file() and library.is_file()):
+        raise HarnessError(
+            f"pg_tle is not installed for {flavour} ({extension} or {library} is missing): "
+            "run make setup as root (tools/build_pg_tle.py builds it from ../shared/pg_tle/; "
+            "its output says why it did not)")
+    server = PgServer(tree_without(bindir), name=f"{name}-{flavour}",
+                      extra_conf={"shared_preload_libraries": "pg_tle"})
+    return server.start()
