@@ -30,12 +30,13 @@ the server's extension directory; the first is checked here, the second is the o
 A script's text changes nowhere: pg_tle, like CREATE EXTENSION, drops the ``\\echo`` line and
 would substitute ``@extschema@`` (the scripts use neither that nor ``@extowner@``).
 
-The build (the default) follows tools/build_citus.py: one runtime tarball per flavour, cached in
-``build/pg_tle/<key>.tar.gz`` and keyed on the pg_tle release, the exact server version and the
-compiler; a second run builds nothing and installs only the files that differ. ``CC=clang-14``
-for both servers (gcc 12 rejects a flag in the wheel's CFLAGS), ``with_llvm=no`` (no JIT
-bitcode), linked ``-Bsymbolic`` (MAKE_ARGS says why: without it pg_tle crashes PostgreSQL 15). The server needs ``shared_preload_libraries = 'pg_tle'`` (the tests start their own:
-harness/pg_tle.py). Missing sources are reported loudly and the tests that use pg_tle fail
+The build (the default) follows tools/build_citus.py: one runtime tarball per flavour, cached
+in ``build/pg_tle/<key>.tar.gz`` and keyed on the pg_tle release, the exact server version and
+the compiler; a second run builds nothing and installs only the files that differ.
+``CC=clang-14`` for both servers (gcc 12 rejects a flag in the wheel's CFLAGS), ``with_llvm=no``
+(no JIT bitcode), linked ``-Bsymbolic`` (MAKE_ARGS says why: without it pg_tle crashes
+PostgreSQL 15). The server needs ``shared_preload_libraries = 'pg_tle'`` (the tests start their
+own: harness/pg_tle.py). Missing sources are reported loudly and the tests that use pg_tle fail
 saying so; they are never skipped.
 """
 
