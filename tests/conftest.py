@@ -152,8 +152,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 # the collecting. Each worker reports its count (the same in every worker) to the controller,
 # and the summary says it, with the needs markers of what was left out.
 
-NEEDS = ("pg15", "citus", "pgbouncer", "prometheus", "pg_cron", "partman", "plpgsql_check",
-         "jvm", "go", "ruby", "node")
+NEEDS = ("pg15", "citus", "pgbouncer", "prometheus", "pg_cron", "pg_tle", "partman",
+         "plpgsql_check", "jvm", "go", "ruby", "node")
 _DESELECTED = "idem_deselected"
 _DESELECTED_KEY = pytest.StashKey[dict[str, int]]()
 

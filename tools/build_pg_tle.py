@@ -36,8 +36,8 @@ the compiler; a second run builds nothing and installs only the files that diffe
 ``CC=clang-14`` for both servers (gcc 12 rejects a flag in the wheel's CFLAGS), ``with_llvm=no``
 (no JIT bitcode), linked ``-Bsymbolic`` (MAKE_ARGS says why: without it pg_tle crashes
 PostgreSQL 15). The server needs ``shared_preload_libraries = 'pg_tle'`` (the tests start their
-own: harness/pg_tle.py). Missing sources are reported loudly and the tests that use pg_tle fail
-saying so; they are never skipped.
+own: harness/pg_tle_server.py). Missing sources are reported loudly and the tests that use
+pg_tle fail saying so; they are never skipped.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ directories hold this checkout's build/extension/ (tests/helpers/servers.py copi
 PostgreSQL 15's is the system one, shared with every checkout), so a pg_tle server runs from a
 tree of its own: a copy of ``postgres`` (PostgreSQL finds its share and lib directories from
 where its executable really is, symlinks resolved), beside links to everything else of the
-install except the pg_idempotency files. A few milliseconds and 11 MB per tree.
+install except the pg_idempotency files (a few milliseconds and 11 MB, once per process).
 
 pg_tle itself is built into both installs by ``make setup`` (tools/build_pg_tle.py); without it
 :func:`pg_tle_server` fails, saying so.
@@ -23,6 +23,8 @@ from pathlib import Path
 from pgharness import HarnessError, PgServer, _clean_env, _process_dir, flavour_bindir
 
 HIDDEN = "pg_idempotency"
+# One tree per install and process: the harness runs initdb once per bin directory.
+_TREES: dict[tuple[Path, str], Path] = {}
 # Copied rather than linked: they locate the install from their own path.
 COPIED = ("postgres", "pg_config")
 
@@ -34,7 +36,9 @@ def _pg_config(bindir: Path, option: str) -> Path:
 
 def tree_without(bindir: Path, hidden: str = HIDDEN) -> Path:
     """The bin directory of a private tree of the install at ``bindir`` whose extension
-    directory lacks the files of extension ``hidden``."""
+    directory lacks the files of extension ``hidden``; made once per process."""
+    if (bindir, hidden) in _TREES and _TREES[(bindir, hidden)].is_dir():
+        return _TREES[(bindir, hidden)]
     dirs = {name: _pg_config(bindir, f"--{name}") for name in ("bindir", "pkglibdir",
                                                                  "sharedir")}
     prefix = Path(os.path.commonpath(list(dirs.values())))
@@ -56,6 +60,7 @@ def tree_without(bindir: Path, hidden: str = HIDDEN) -> Path:
     for entry in (dirs["sharedir"] / "extension").iterdir():
         if entry.name != f"{hidden}.control" and not entry.name.startswith(f"{hidden}--"):
             (place["sharedir"] / "extension" / entry.name).symlink_to(entry)
+    _TREES[(bindir, hidden)] = place["bindir"]
     return place["bindir"]
 
 
