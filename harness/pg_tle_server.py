@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 from pgharness import HarnessError, PgServer, _clean_env, _process_dir, flavour_bindir
@@ -64,9 +65,11 @@ def tree_without(bindir: Path, hidden: str = HIDDEN) -> Path:
     return place["bindir"]
 
 
-def pg_tle_server(flavour: str, name: str = "pg_tle") -> PgServer:
+def pg_tle_server(flavour: str, name: str = "pg_tle",
+                  extra_conf: Mapping[str, object] | None = None) -> PgServer:
     """A started server of ``flavour`` (pg15, pg18) with ``shared_preload_libraries =
-    'pg_tle'``, from a tree without pg_idempotency's files; stop it when done."""
+    'pg_tle'`` (``extra_conf`` adds settings; a list of its own there must name pg_tle too),
+    from a tree without pg_idempotency's files; stop it when done."""
     bindir = flavour_bindir(flavour)
     extension = _pg_config(bindir, "--sharedir") / "extension" / "pg_tle.control"
     library = _pg_config(bindir, "--pkglibdir") / "pg_tle.so"
@@ -76,5 +79,5 @@ def pg_tle_server(flavour: str, name: str = "pg_tle") -> PgServer:
             "run make setup as root (tools/build_pg_tle.py builds it from ../shared/pg_tle/; "
             "its output says why it did not)")
     server = PgServer(tree_without(bindir), name=f"{name}-{flavour}",
-                      extra_conf={"shared_preload_libraries": "pg_tle"})
+                      extra_conf={"shared_preload_libraries": "pg_tle", **(extra_conf or {})})
     return server.start()
