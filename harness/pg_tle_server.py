@@ -26,6 +26,12 @@ from pgharness import HarnessError, PgServer, _clean_env, _process_dir, flavour_
 HIDDEN = "pg_idempotency"
 # One tree per install and process: the harness runs initdb once per bin directory.
 _TREES: dict[tuple[Path, str], Path] = {}
+# The shared servers also preload pg_cron where Debian has it (PostgreSQL 15), living in a
+# database of this name (made by the test that uses it), as a managed service offers both.
+CRON_DATABASE = "payments_cron"
+SHARED_CONF: dict[str, dict[str, object]] = {
+    "pg15": {"shared_preload_libraries": "pg_tle,pg_cron", "cron.database_name": CRON_DATABASE}}
+_SHARED: dict[str, PgServer] = {}
 # Copied rather than linked: they locate the install from their own path.
 COPIED = ("postgres", "pg_config")
 
@@ -81,3 +87,14 @@ def pg_tle_server(flavour: str, name: str = "pg_tle",
     server = PgServer(tree_without(bindir), name=f"{name}-{flavour}",
                       extra_conf={"shared_preload_libraries": "pg_tle", **(extra_conf or {})})
     return server.start()
+
+
+def shared_pg_tle_server(flavour: str) -> PgServer:
+    """One started :func:`pg_tle_server` per flavour and process, with SHARED_CONF, for tests
+    that each work in databases and roles of their own (so a module more costs no initdb and
+    no start); it stops when the process exits."""
+    server = _SHARED.get(flavour)
+    if server is None or server.tmpdir is None:
+        server = pg_tle_server(flavour, name="pg_tle-shared", extra_conf=SHARED_CONF.get(flavour))
+        _SHARED[flavour] = server
+    return server

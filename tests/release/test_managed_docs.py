@@ -1,7 +1,8 @@
 """docs/managed.md run as written, on a server as a managed service offers it.
 
 The server has pg_tle preloaded (and, on PostgreSQL 15, pg_cron, living in a database of its
-own) and none of pg_idempotency's files (harness/pg_tle_server.py). The master user is
+own) and none of pg_idempotency's files (harness/pg_tle_server.py); it is the process's, shared
+with test_pg_tle.py. The master user is
 ``admin``: ``LOGIN CREATEROLE CREATEDB``, no superuser. It runs "A database to try it in";
 ``payments_owner`` runs the pg_tle blocks (the shell ones with ``DATABASE_URL`` set, in a copy of
 the checkout's tools/, sql/, migrations/ and schema.py, so that tools/build.py writes nowhere
@@ -17,7 +18,6 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
@@ -26,7 +26,7 @@ from helpers import MIGRATIONS, ROOT
 from helpers.install import latest_extension_version, reinstall_this_build
 from psycopg import sql
 
-from pg_tle_server import pg_tle_server
+from pg_tle_server import CRON_DATABASE, shared_pg_tle_server
 from pgharness import WAIT_BOUND, PgServer
 
 DOC = ROOT / "docs" / "managed.md"
@@ -62,25 +62,24 @@ CRON_HERE = block("sql", "SELECT idempotency.schedule_maintenance(")
 CRON_GRANT_ELSEWHERE = block("sql", "GRANT EXECUTE ON FUNCTION cron.schedule_in_database(")
 CRON_ELSEWHERE = block("sql", "SELECT cron.schedule_in_database(")
 PSQL_LOOP = install_md_block("for f in migrations/*.sql; do psql")
-# pg_cron in a database of its own, made by the test (Debian has pg_cron for PG 15 only).
-CRON_DB = "payments_cron"
-CRON_CONF = {"pg15": {"shared_preload_libraries": "pg_tle,pg_cron",
-                      "cron.database_name": CRON_DB}}
+# pg_cron's database on PG 15 (Debian has pg_cron for PG 15 only), made by the cron test.
+CRON_DB = CRON_DATABASE
 
 
 @pytest.fixture(scope="module", params=["pg15", "pg18"])
-def managed(request: pytest.FixtureRequest) -> Iterator[PgServer]:
-    """A pg_tle server where the master user has run "A database to try it in"."""
-    server = pg_tle_server(request.param, extra_conf=CRON_CONF.get(request.param))
-    try:
+def managed(request: pytest.FixtureRequest) -> PgServer:
+    """The process's pg_tle server (shared with test_pg_tle.py, whose roles and databases have
+    names of their own), where the master user has run "A database to try it in" once."""
+    server = shared_pg_tle_server(request.param)
+    made = server.run_psql(server.dsn(), f"SELECT count(*) FROM pg_roles WHERE rolname = "
+                           f"'{ADMIN}'", args=("-X", "-At")).stdout.strip()
+    if made == "0":
         server.run_psql(server.dsn(), f"CREATE ROLE {ADMIN} LOGIN CREATEROLE CREATEDB;")
         admin = server.dsn(user=ADMIN)
         assert server.run_psql(admin, "SELECT rolsuper FROM pg_roles WHERE rolname = "
                                "current_user", args=("-X", "-At")).stdout.strip() == "f"
         server.run_psql(admin, TRY_DB)
-        yield server
-    finally:
-        server.stop()
+    return server
 
 
 def rows(dsn: str, query: str) -> list[tuple[object, ...]]:

@@ -6,9 +6,8 @@ registers the extension with the file tools/build_pg_tle.py writes from build/ex
 is now, creates it, upgrades it 0.10.0 -> 0.11.0 -> the newest, and removes it; the
 application's role claims, completes and replays a key after each step. The registration run
 again, or an older one, changes nothing, and a new install of the newest has the same catalog
-as an upgraded one. One test per server: each starts a server of its own (an initdb), which is
-most of its time. pg_tle itself is built by ``make setup`` (tools/build_pg_tle.py): without it
-every test here fails, saying so.
+as an upgraded one. pg_tle itself is built by ``make setup`` (tools/build_pg_tle.py): without
+it every test here fails, saying so.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from helpers import ROOT, sqlstate
 from helpers.install import latest_extension_version
 from psycopg import sql
 
-from pg_tle_server import pg_tle_server
+from pg_tle_server import shared_pg_tle_server
 from pgharness import WAIT_BOUND, PgServer
 
 pytestmark = pytest.mark.pg_tle
@@ -49,12 +48,10 @@ def registration(tmp_path: Path, through: str | None = None) -> Path:
 
 
 @pytest.fixture(scope="module", params=["pg15", "pg18"])
-def tle_server(request: pytest.FixtureRequest) -> Iterator[PgServer]:
-    server = pg_tle_server(request.param)
-    try:
-        yield server
-    finally:
-        server.stop()
+def tle_server(request: pytest.FixtureRequest) -> PgServer:
+    """The process's pg_tle server (shared with test_managed_docs.py: roles and databases here
+    have names of their own)."""
+    return shared_pg_tle_server(request.param)
 
 
 @dataclass
