@@ -29,7 +29,1264 @@ $guard$;
 --
 -- 0013 (0.13.0): every limit holds whatever the input's origin, and maintain() keeps every key
 -- for its retention whatever reference time it is given.
+-- - A request, body or headers read from a table may be compressed, and pg_column_size
+--   measured it as stored (200 MB of repeated JSON measured 0.8 MB): claim, accept, complete,
+--   complete_bytes (headers), fingerprint (request, defaults, and fields, newly limited) and
+--   canonical_json measure a compressed value uncompressed (the new _raw_size); an
+--   uncompressed one pays one header test more. _name_ok measures a name's length before its
+--   regex runs on it.
+-- - _check_size raises every IK018, the canonical text's too (canonical => true; the DETAIL
+--   says it is the canonical JSON): _check_canonical_size is dropped.
+-- - maintain() measures what drops or expires from now() when reference_time is later, and
+--   records that time in maintenance_runs.reference_time; partitions are still made ahead of
+--   reference_time.
 -- No table changes; no data moves.
+
+DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
+DROP FUNCTION idempotency._check_size(text, text, integer, text);
+-- sql/functions/_check_size.sql
+-- Refuses an argument larger than its limit in idempotency.settings (max_request_bytes,
+-- max_response_bytes or max_headers_bytes) with IK018, before anything canonicalizes, hashes or
+-- stores it: a 200 MB JSON response once took 42 s and 1.4 GB of one backend's memory, and
+-- 300 MB failed with 54000 deep inside the engine.
+--
+-- The callers measure the value as the caller means it, uncompressed (_raw_size of a jsonb,
+-- octet_length of a bytea: both read its header only unless it is compressed), and call this
+-- only when the size is above the smallest limit the settings allow (65536 bytes for bodies,
+-- 4096 for headers, the CHECKs on idempotency.settings): the settings row stays off the hot
+-- path for every ordinary call.
+--
+-- canonical: size is of the canonical JSON built so far from the argument (_canonical_json
+-- measures it as it grows, against max_request_bytes), and the message says so: a value within
+-- the limit can still have a longer canonical text (an escaped control character is one byte
+-- in jsonb and six in the text).
+CREATE FUNCTION idempotency._check_size(
+    fn text, argument text, size integer, setting text, canonical boolean DEFAULT false
+)
+RETURNS void
+LANGUAGE plpgsql
+STABLE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_limit integer;
+BEGIN
+    SELECT CASE _check_size.setting
+               WHEN 'max_request_bytes' THEN s.max_request_bytes
+               WHEN 'max_response_bytes' THEN s.max_response_bytes
+               WHEN 'max_headers_bytes' THEN s.max_headers_bytes
+           END
+    INTO v_limit
+    FROM idempotency.settings AS s;
+    IF v_limit IS NULL THEN
+        -- No settings row yet (it is made by the first _premake() or maintain()): the
+        -- defaults of sql/tables/settings.sql.
+        v_limit := CASE _check_size.setting WHEN 'max_headers_bytes' THEN 16384
+                                            ELSE 1048576 END;
+    END IF;
+    IF _check_size.size > v_limit THEN
+        RAISE EXCEPTION USING
+            MESSAGE = format('%s: argument "%s" is too large', _check_size.fn,
+                             _check_size.argument),
+            ERRCODE = 'IK018',
+            COLUMN = _check_size.argument,
+            DETAIL = format(CASE WHEN _check_size.canonical
+                                 THEN 'Its canonical JSON (docs/fingerprint.md) is at least %s '
+                                      'bytes; the limit (settings.%s) is %s bytes.'
+                                 ELSE 'It is %s bytes; the limit (settings.%s) is %s bytes.'
+                            END,
+                            _check_size.size, _check_size.setting, v_limit),
+            HINT = format('Nothing was written. Send a smaller value, or have the schema owner '
+                          'raise settings.%s (docs/maintenance.md). See docs/errors.md.',
+                          _check_size.setting);
+    END IF;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text, boolean) IS
+'Internal: raise IK018 when size (bytes, uncompressed; with canonical, of the canonical JSON
+built so far) exceeds the limit in idempotency.settings named by setting (max_request_bytes,
+max_response_bytes or max_headers_bytes).';
+
+-- sql/functions/_raw_size.sql
+-- The size of a jsonb as the caller means it: its uncompressed size, whatever its origin. A
+-- value read from a table may be compressed (inline, or in TOAST with pglz or lz4), and
+-- pg_column_size measures it as stored: 200 MB of repeated JSON read from a table measured
+-- 0.8 MB, passed every size limit, and claim() canonicalized it (1.75 GB in one backend).
+--
+-- Callers test pg_column_compression(value) IS NULL in the expression that already measures
+-- the value (it reads the datum's header, or its TOAST pointer), so an ordinary value, sent by
+-- the client and never compressed, pays nothing more; only a compressed one comes here. `#>
+-- '{}'` (no path) returns the jsonb it was given, decompressed: the one copy this costs, the
+-- value's raw size, is freed with the expression, and nothing canonicalizes, hashes or stores
+-- it.
+--
+-- SQL, without SET search_path and with qualified operators, so that it is inlined into the
+-- caller's expression (as _name_ok is).
+CREATE FUNCTION idempotency._raw_size(value jsonb)
+RETURNS integer
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+RETURN CASE
+    WHEN pg_catalog.pg_column_compression(value) IS NULL THEN pg_catalog.pg_column_size(value)
+    ELSE pg_catalog.pg_column_size(value OPERATOR(pg_catalog.#>) '{}'::pg_catalog.text[])
+END;
+
+COMMENT ON FUNCTION idempotency._raw_size(jsonb) IS
+'Internal: the uncompressed size of value in bytes (pg_column_size measures a compressed value
+as stored).';
+
+-- sql/functions/_name_ok.sql
+-- The happy-path test of _check_name's rules as one inlinable expression. A PL/pgSQL PERFORM
+-- per argument runs a whole query; this is folded into the caller's IF as a plain expression,
+-- and _check_name (which says what is wrong) runs only when it fails. Measured on the claim +
+-- complete benchmark, validating through PERFORM cost about a fifth of the throughput.
+--
+-- Deliberately without SET search_path: a pinned search_path stops the planner from inlining
+-- a SQL function. Every operator and function is schema-qualified instead.
+--
+-- Two function calls, not four: the expression is compiled again in every transaction that
+-- calls the function (PL/pgSQL keeps a simple expression's state per transaction), and each
+-- call in it costs its compilation (a permission check) and its evaluation. The anchored
+-- regex says "not empty, no control character" in one call (it cannot say "at most 255": a
+-- bounded repetition compiles to a far costlier automaton). NULL gives NULL, not false: every
+-- caller wraps its test in coalesce(..., false). Measured with bench/instructions.py
+-- (docs/design.md, "Performance decisions"). The length first: the regex works on a copy of
+-- the whole text at four bytes a character, so a long value (a compressed one read from a
+-- table is small as stored) must be refused before it; length() reads it once.
+CREATE OR REPLACE FUNCTION idempotency._name_ok(value text)
+RETURNS boolean
+LANGUAGE sql
+IMMUTABLE
+PARALLEL SAFE
+RETURN (
+    pg_catalog.length(value) OPERATOR(pg_catalog.<=) 255
+    AND value OPERATOR(pg_catalog.~) '^[^[:cntrl:]]+$'
+);
+
+COMMENT ON FUNCTION idempotency._name_ok(text) IS
+'Internal: true when value passes idempotency._check_name, false or NULL (for NULL) when it
+does not (inlined into callers, which coalesce it to false).';
+
+-- sql/functions/_canonical_json.sql
+-- The canonical text of a JSON value, the input of fingerprint(). Defined exactly in
+-- docs/fingerprint.md so that a client in any language can compute the same bytes:
+--   * objects: members sorted by key in code point (UTF-8 byte) order, "key":value, joined by ",";
+--   * arrays: elements in order, joined by ",";
+--   * numbers: plain decimal, no exponent, no "+", no trailing fractional zeros, no trailing ".",
+--     so 10, 10.0 and 1e1 all read 10 (jsonb keeps the exact decimal, so nothing is rounded),
+--     when 1e-7 <= |value| < 1e21 or value = 0; any other number by its significant digits and
+--     exponent (1e21, -1.5e-30: _canonical_number), so that no number is written longer than
+--     its digits in the JSON text (numeric's text output expanded 1e131071 to 131,072 digits);
+--   * strings: JSON escapes for '"', '\' and U+0000..U+001F (\b \f \n \r \t, else \u00xx in
+--     lower-case hex), every other character as itself in UTF-8;
+--   * true, false, null as such; no whitespace anywhere.
+-- Scalars are formatted in place rather than by a recursive call, which is what keeps a flat
+-- request body to a single call; the plain-range test of a number is inline for the same
+-- reason, and only numbers outside it cost a call. Nesting deeper than 128 arrays and objects
+-- is refused with IK014 naming the caller's argument (without a limit, about 520 levels ran
+-- out of stack: 54001); the Python twin (pg_idempotency.fingerprint) refuses the same.
+--
+-- The text is measured as it is built, after each array and object, against
+-- settings.max_request_bytes (IK018, _check_size): a value within the limit as the
+-- server holds it can still have a longer canonical text (an escaped control character is one
+-- byte in jsonb and six in the text), and a size is checked on what is built, not after.
+-- octet_length of a text in memory reads its header; the settings row is read only above
+-- 64 KiB. So STABLE (it was IMMUTABLE before 0.12.0): whether a value is refused depends on a
+-- table.
+--
+-- legacy => true writes every number in plain decimal, as 0.11.0 and earlier did: the form
+-- whose sha256 keys claimed before 0.12.0 hold, which claim() recognises (_legacy_fingerprint
+-- calls it only after computing, without expanding anything, that the text fits the limit).
+CREATE OR REPLACE FUNCTION idempotency._canonical_json(
+    value jsonb, fn text, argument text, depth integer, legacy boolean
+)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+STRICT
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_text text;
+BEGIN
+    IF _canonical_json.depth > 128 THEN
+        PERFORM idempotency._invalid_argument(
+            _canonical_json.fn, _canonical_json.argument, 'IK014',
+            'must not nest arrays and objects more than 128 deep');
+    END IF;
+    CASE jsonb_typeof(_canonical_json.value)
+        WHEN 'object' THEN
+            v_text := '{' || coalesce((
+                SELECT string_agg(
+                    to_json(m.key)::text || ':' || CASE jsonb_typeof(m.value)
+                        WHEN 'number' THEN CASE
+                            WHEN _canonical_json.legacy
+                                 OR (abs(m.value::numeric) < 1e21
+                                     AND (abs(m.value::numeric) >= 1e-7
+                                          OR m.value::numeric = 0))
+                                THEN trim_scale(m.value::numeric)::text
+                            ELSE idempotency._canonical_number(m.value::numeric)
+                        END
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            m.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        ELSE m.value::text
+                    END,
+                    ',' ORDER BY m.key COLLATE "C")
+                FROM jsonb_each(_canonical_json.value) AS m
+            ), '') || '}';
+        WHEN 'array' THEN
+            v_text := '[' || coalesce((
+                SELECT string_agg(
+                    CASE jsonb_typeof(e.value)
+                        WHEN 'number' THEN CASE
+                            WHEN _canonical_json.legacy
+                                 OR (abs(e.value::numeric) < 1e21
+                                     AND (abs(e.value::numeric) >= 1e-7
+                                          OR e.value::numeric = 0))
+                                THEN trim_scale(e.value::numeric)::text
+                            ELSE idempotency._canonical_number(e.value::numeric)
+                        END
+                        WHEN 'object' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        WHEN 'array' THEN idempotency._canonical_json(
+                            e.value, _canonical_json.fn, _canonical_json.argument,
+                            _canonical_json.depth + 1, _canonical_json.legacy)
+                        ELSE e.value::text
+                    END,
+                    ',' ORDER BY e.ordinality)
+                FROM jsonb_array_elements(_canonical_json.value) WITH ORDINALITY AS e
+            ), '') || ']';
+        WHEN 'number' THEN
+            IF _canonical_json.legacy THEN
+                RETURN trim_scale(_canonical_json.value::numeric)::text;
+            END IF;
+            RETURN idempotency._canonical_number(_canonical_json.value::numeric);
+        ELSE
+            -- string, boolean, null: jsonb's text form is already the canonical one.
+            RETURN _canonical_json.value::text;
+    END CASE;
+    IF octet_length(v_text) > 65536 THEN
+        PERFORM idempotency._check_size(_canonical_json.fn, _canonical_json.argument,
+                                        octet_length(v_text), 'max_request_bytes', true);
+    END IF;
+    RETURN v_text;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean) IS
+'Internal: canonical_json() at nesting depth, for fn''s argument (which an error names); with
+legacy, numbers in plain decimal as before 0.12.0.';
+
+-- sql/functions/canonical_json.sql
+-- The canonical text of a JSON value (docs/fingerprint.md); the work is done by
+-- idempotency._canonical_json, which says which argument of which function was refused.
+-- PL/pgSQL (a SQL function before 0.11.0) for the size check before that work (_check_size).
+-- STABLE, not IMMUTABLE (as it was before 0.11.0): above 64 KiB the check reads
+-- settings.max_request_bytes, so whether a value is refused depends on a table, and the planner
+-- may fold an IMMUTABLE call once and keep its answer (a cached plan, an index expression that
+-- a later REINDEX or restore evaluates again under another limit). The limit stays the
+-- setting's, the same as claim()'s for the request it fingerprints. Its cost: none measured
+-- (backend CPU per call, 43.5 us either way, docs/fingerprint.md); claim() does not call it.
+CREATE OR REPLACE FUNCTION idempotency.canonical_json(value jsonb)
+RETURNS text
+LANGUAGE plpgsql
+STABLE
+STRICT
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+BEGIN
+    IF pg_column_size(canonical_json.value) > 65536
+       OR pg_column_compression(canonical_json.value) IS NOT NULL THEN
+        PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
+                                        idempotency._raw_size(canonical_json.value),
+                                        'max_request_bytes');
+    END IF;
+    RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',
+                                       'value', 1, false);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.canonical_json(jsonb) IS
+'Canonical text of a JSON value (sorted keys, numbers in plain decimal or, outside 1e-7 <= |n| <
+1e21, as digits and exponent, minimal escapes, no whitespace), as defined in
+docs/fingerprint.md. Refuses a value or a canonical text larger than settings.max_request_bytes
+(IK018).';
+
+-- sql/functions/fingerprint.sql
+-- sha256 of the canonical request. defaults are applied first (a shallow merge: a top-level
+-- field the request omits takes its default, so omitting a field and sending its default give
+-- the same fingerprint); then, when fields is given, only those top-level fields count, so
+-- that a field which does not affect the outcome (a client timestamp, a trace id) cannot turn a
+-- retry into a mismatch.
+--
+-- STABLE, not IMMUTABLE (as it was before 0.11.0), for the reason given in canonical_json.sql:
+-- its size check reads settings.max_request_bytes. A request passed to claim(..., NULL,
+-- fingerprint => fingerprint(request, defaults, fields)) is thus refused at the same size as
+-- one passed as claim's request.
+CREATE OR REPLACE FUNCTION idempotency.fingerprint(
+    request jsonb, defaults jsonb DEFAULT '{}', fields text[] DEFAULT NULL
+)
+RETURNS bytea
+LANGUAGE plpgsql
+STABLE
+-- SECURITY DEFINER: it calls the internal _canonical_json, which application roles may not.
+SECURITY DEFINER
+PARALLEL SAFE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_request jsonb := fingerprint.request;
+BEGIN
+    IF v_request IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    -- Sizes before any work on them, uncompressed (see _check_size and _raw_size). fields
+    -- has the request's limit too: it is matched against every key of the request.
+    IF pg_column_size(v_request) > 65536 OR pg_column_compression(v_request) IS NOT NULL THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
+                                        idempotency._raw_size(v_request), 'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.defaults) > 65536
+       OR pg_column_compression(fingerprint.defaults) IS NOT NULL THEN
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
+                                        idempotency._raw_size(fingerprint.defaults),
+                                        'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.fields) > 65536
+       OR pg_column_compression(fingerprint.fields) IS NOT NULL THEN
+        -- (|| of an empty array returns the array it was given, decompressed.)
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields',
+                                        pg_column_size(fingerprint.fields || '{}'::text[]),
+                                        'max_request_bytes');
+    END IF;
+    IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
+        IF jsonb_typeof(v_request) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'request', 'IK015',
+                'must be a JSON object when defaults or fields are given',
+                format('It is a JSON %s.', jsonb_typeof(v_request)));
+        END IF;
+        IF jsonb_typeof(fingerprint.defaults) <> 'object' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'defaults', 'IK015', 'must be a JSON object',
+                format('It is a JSON %s.', jsonb_typeof(fingerprint.defaults)));
+        END IF;
+        IF array_ndims(fingerprint.fields) > 1 THEN
+            -- (array_position would raise 0A000 on it.)
+            PERFORM idempotency._invalid_argument(
+                'idempotency.fingerprint', 'fields', 'IK015', 'must be a one-dimensional array',
+                format('It has %s dimensions.', array_ndims(fingerprint.fields)));
+        END IF;
+        IF array_position(fingerprint.fields, NULL) IS NOT NULL THEN
+            PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'fields', 'IK010',
+                                                  'must not contain NULL');
+        END IF;
+        v_request := coalesce(fingerprint.defaults, '{}') || v_request;
+        IF fingerprint.fields IS NOT NULL THEN
+            SELECT coalesce(jsonb_object_agg(m.key, m.value), '{}') INTO v_request
+            FROM jsonb_each(v_request) AS m
+            WHERE m.key = ANY(fingerprint.fields);
+        END IF;
+    END IF;
+    RETURN sha256(convert_to(
+        idempotency._canonical_json(v_request, 'idempotency.fingerprint', 'request', 1,
+                                    false),
+        'UTF8'));
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.fingerprint(jsonb, jsonb, text[]) IS
+'sha256 (32 bytes) of the canonical form of request, after applying defaults and keeping only
+fields when given. Definition and test vectors: docs/fingerprint.md, tests/vectors/fingerprint.json.';
+
+-- sql/functions/claim.sql
+-- The entry point of every attempt. Call it in its own transaction (autocommit) so that other
+-- retries see the claim at once: a concurrent claim of the same key waits until this
+-- transaction ends (see sql/tables/key_directory.sql).
+--
+-- Outcomes: claimed (new key, you own it until lease_expires_at), resumed (the previous owner's
+-- lease expired; you own it under a higher token and should reconcile from recovery_point),
+-- replay (completed: return the stored response), accepted (a long-running operation's owner
+-- stored an interim response with accept(): return it), in_progress (someone holds a live lease:
+-- retry after retry_after), mismatch (the key was used with a different request: never execute,
+-- never replay), expired (maintain() dropped the key after its retention and kept only a
+-- tombstone, settings.tombstones: never execute, never replay).
+CREATE OR REPLACE FUNCTION idempotency.claim(
+    scope text,
+    key text,
+    request jsonb,
+    lease interval DEFAULT '30 seconds',
+    fingerprint bytea DEFAULT NULL,
+    strict boolean DEFAULT false,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS idempotency.claim_result
+LANGUAGE plpgsql
+VOLATILE
+-- SECURITY DEFINER so that an application role can claim keys without any privilege on the
+-- tables (see grant_usage); search_path is pinned to pg_catalog and every object is qualified.
+SECURITY DEFINER
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := clock_timestamp();
+    v_key_hash bytea;
+    v_created_at timestamptz;
+    v_existing idempotency.keys;
+    v_previous bigint;
+    v_insert boolean;
+    v_result idempotency.claim_result;
+BEGIN
+    -- The common call (a fresh key, valid arguments, our own fingerprint, READ COMMITTED, no
+    -- test clock) passes one inlined test: PL/pgSQL builds each expression's executor state
+    -- once per transaction, and every claim is a transaction of its own, so each IF and
+    -- assignment has a cost per call however cheap its test, and more for every function
+    -- it calls (docs/design.md, "Performance decisions"). Anything else
+    -- takes the branch below, which checks in the documented order and says what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL.
+    IF NOT coalesce(claim.reference_time IS NULL AND claim.request IS NULL
+                    AND octet_length(claim.fingerprint) = 32
+                    AND idempotency._name_ok(claim.scope) AND idempotency._name_ok(claim.key)
+                    AND idempotency._lease_ok(claim.lease)
+                    AND current_setting('transaction_isolation') = 'read committed',
+                    false) THEN
+        IF claim.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.claim', claim.reference_time);
+        END IF;
+        PERFORM idempotency._check_name('idempotency.claim', 'scope', claim.scope);
+        PERFORM idempotency._check_name('idempotency.claim', 'key', claim.key);
+        PERFORM idempotency._check_lease('idempotency.claim', 'lease', claim.lease);
+        IF claim.fingerprint IS NOT NULL THEN
+            IF claim.request IS NOT NULL THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK016',
+                    'must be NULL when request is given',
+                    'Pass either the request (hashed by idempotency.fingerprint) or your own '
+                    || 'fingerprint, not both.');
+            ELSIF octet_length(claim.fingerprint) <> 32 THEN
+                PERFORM idempotency._invalid_argument(
+                    'idempotency.claim', 'fingerprint', 'IK014', 'must be 32 bytes (a sha256)',
+                    format('It is %s bytes long.', octet_length(claim.fingerprint)));
+            END IF;
+        ELSIF claim.request IS NULL THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.claim', 'request', 'IK010', 'must not be NULL',
+                'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
+        ELSE
+            -- The size first, uncompressed, before canonicalizing (see _check_size and
+            -- _raw_size; the settings row is read only above 64 KiB, the smallest limit
+            -- allowed, or for a compressed value, read from a table).
+            IF pg_column_size(claim.request) > 65536
+               OR pg_column_compression(claim.request) IS NOT NULL THEN
+                PERFORM idempotency._check_size('idempotency.claim', 'request',
+                                                idempotency._raw_size(claim.request),
+                                                'max_request_bytes');
+            END IF;
+            -- fingerprint(request) without its defaults/fields handling, saving a call. The
+            -- argument holds the fingerprint from here on, whichever way it came.
+            claim.fingerprint := sha256(convert_to(
+                idempotency._canonical_json(claim.request, 'idempotency.claim', 'request', 1,
+                                            false),
+                'UTF8'));
+        END IF;
+        IF current_setting('transaction_isolation') <> 'read committed' THEN
+            PERFORM idempotency._require_read_committed('idempotency.claim');
+        END IF;
+    END IF;
+    -- Citus: a new key's two rows by static statements on the scope's shards, when this node
+    -- holds them (see _make_routes); otherwise (a NULL outcome: the key exists, or its shards
+    -- are elsewhere) the statements below, through Citus. _local_shards() folds to a constant:
+    -- false on one server, where this IF is one cheap test per call; true on a cluster.
+    -- Outside the branch above, so that a common call on a cluster skips the checks: there
+    -- each is planned afresh on every call (_citus_custom_plans), a noticeable part of a
+    -- worker's CPU when every claim took them.
+    IF idempotency._local_shards() THEN
+        v_result := idempotency._claim_row_local(claim.scope, claim.key, claim.fingerprint,
+                                                 claim.lease, v_now);
+        IF v_result.outcome IS NOT NULL THEN
+            RETURN v_result;
+        END IF;
+    END IF;
+
+    -- Uniqueness is the directory's primary key (see sql/tables/key_directory.sql): the insert
+    -- below either makes this claim the key's one owner, or waits for a concurrent claim of the
+    -- same key to end and then does nothing. Each later statement takes a snapshot after that,
+    -- so it sees the row that won. Every statement addresses one scope, so on Citus each runs
+    -- on the node that holds the scope's shard, however the call arrived.
+    INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+    VALUES (claim.scope, sha256(convert_to(claim.key, 'UTF8')), v_now)
+    ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+    -- A new key (the common case) goes straight to its row below; a taken one is looked at.
+    IF NOT FOUND THEN
+        v_key_hash := sha256(convert_to(claim.key, 'UTF8'));
+        v_insert := false;
+        FOR attempt IN 1 .. 5 LOOP
+            IF attempt > 1 THEN
+                -- Looking again (see the CONTINUEs below): the key may be free by now.
+                INSERT INTO idempotency.key_directory AS d (scope, key_hash, created_at)
+                VALUES (claim.scope, v_key_hash, v_now)
+                ON CONFLICT ON CONSTRAINT key_directory_pkey DO NOTHING;
+                v_insert := FOUND;
+                EXIT WHEN v_insert;
+            END IF;
+
+            SELECT e.created_at INTO v_created_at
+            FROM idempotency.key_directory AS e
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash;
+            IF NOT FOUND THEN
+                -- Dropped (maintain) since the insert looked: insert again.
+                CONTINUE;
+            END IF;
+            -- The row in the one partition created_at names, by a static statement on that
+            -- partition (see _make_routes).
+            v_existing := idempotency._key_row(claim.scope, claim.key, v_created_at);
+            IF v_existing.scope IS NULL THEN
+                -- The key's row is gone (its partition was dropped after its retention): a
+                -- tombstone answers expired (settings.tombstones); without one the key is new
+                -- again, under the same directory row.
+                SELECT 'expired', t.response_status, t.created_at
+                INTO v_result.outcome, v_result.response_status, v_result.created_at
+                FROM idempotency.tombstones AS t
+                WHERE t.scope = claim.scope AND t.key_hash = v_key_hash
+                  AND t.created_at = v_created_at AND t.expires_at > v_now;
+                IF FOUND THEN
+                    RETURN v_result;
+                END IF;
+            ELSIF v_existing.state = 'released' THEN
+                -- Released by its owner after a failure with no side effect: the key is new
+                -- again (even for another request), and its next owner's token must still be
+                -- greater than the released owner's (see _new_token). The released row goes,
+                -- compared and set on its token so that only one of two concurrent claims
+                -- takes it, by a static statement on its one partition (see _make_routes; a
+                -- DELETE on the parent would lock every partition).
+                CONTINUE WHEN NOT coalesce(idempotency._drop_released_row(
+                    claim.scope, claim.key, v_created_at, v_existing.lease_token), false);
+                v_previous := v_existing.lease_token;
+            ELSIF v_existing.fingerprint <> claim.fingerprint
+                  -- A key claimed before 0.12.0 may hold the sha256 of the request's old
+                  -- canonical text (numbers in plain decimal): computed only here, when the
+                  -- fingerprints differ, and only from a request (a caller's own fingerprint
+                  -- cannot be recomputed). AND evaluates left to right and stops at false.
+                  AND coalesce(v_existing.fingerprint IS DISTINCT FROM
+                               idempotency._legacy_fingerprint(
+                                   claim.request, 'idempotency.claim', 'request'),
+                               true) THEN
+                IF claim.strict THEN
+                    RAISE EXCEPTION USING
+                        MESSAGE = format('idempotency.claim: key %s in scope %s was used with '
+                                         'a different request', to_json(claim.key),
+                                         to_json(claim.scope)),
+                        ERRCODE = 'IK002',
+                        -- Never the stored fingerprint: with it, claim(fingerprint =>) would
+                        -- replay the stored response to a caller that does not know the
+                        -- request.
+                        DETAIL = format('This request''s fingerprint is %s.',
+                                        encode(claim.fingerprint, 'hex')),
+                        HINT = 'Use a new idempotency key for a different request.';
+                END IF;
+                v_result.outcome := 'mismatch';
+                v_result.created_at := v_existing.created_at;
+                RETURN v_result;
+            ELSE
+                v_result := idempotency._resume_existing(v_existing, claim.lease, v_now);
+                -- (A composite IS NOT NULL only when every field is; test the outcome.)
+                IF v_result.outcome IS NOT NULL THEN
+                    RETURN v_result;
+                END IF;
+                -- Lost a takeover race to the owner's own heartbeat/complete/release: look
+                -- again.
+                CONTINUE;
+            END IF;
+            -- Gone or released: the directory row moves to the new key row, compared on the
+            -- created_at read above; a concurrent claim that moved it first makes this one
+            -- look again.
+            UPDATE idempotency.key_directory AS e
+            SET created_at = v_now
+            WHERE e.scope = claim.scope AND e.key_hash = v_key_hash
+              AND e.created_at = v_created_at;
+            v_insert := FOUND;
+            EXIT WHEN v_insert;
+        END LOOP;
+        IF NOT v_insert THEN
+            -- Five lost races in a row means the owner is actively heartbeating: in progress.
+            v_result.outcome := 'in_progress';
+            v_result.retry_after := claim.lease;
+            RETURN v_result;
+        END IF;
+    END IF;
+
+    -- This claim owns the key: its row, in the partition v_now names, with a token above the
+    -- released owner's if there was one.
+    INSERT INTO idempotency.keys AS k (
+        scope, key, fingerprint, state, lease_token, lease_expires_at, created_at
+    )
+    VALUES (claim.scope, claim.key, claim.fingerprint, 'in_progress',
+            idempotency._new_token(v_previous), v_now + claim.lease, v_now)
+    -- Only the fields a new claim has (the others are NULL): each column returned costs
+    -- executor set-up twice per call, for the parent and for the partition the row goes to.
+    RETURNING 'claimed', k.lease_token, k.lease_expires_at, k.attempts, k.created_at
+    INTO v_result.outcome, v_result.lease_token, v_result.lease_expires_at, v_result.attempts,
+         v_result.created_at;
+    RETURN v_result;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz) IS
+'Claim an idempotency key: outcome claimed | resumed | replay | accepted | in_progress |
+mismatch | expired (with strict => true a mismatch raises IK002). Pass request (hashed by
+idempotency.fingerprint) or your own 32-byte fingerprint. reference_time is a test clock that
+only the schema owner may pass; leave it NULL. See docs/sql-api.md.';
+
+-- sql/functions/accept.sql
+-- For long-running operations: the owner answers "202 Accepted" now and finishes later (a worker
+-- that heartbeats the lease and calls complete). Call it in the transaction that hands the work
+-- over (the one that enqueues the job), so that the hand-off and the interim response commit
+-- together or not at all. Until complete, a claim of the key under a live lease returns outcome
+-- accepted with this response instead of in_progress, so every retry gets the same answer.
+--
+-- Storage: the interim response lives in the response_* columns of the row, which stays
+-- in_progress (no column of its own: complete() overwrites them with the final response, and a
+-- row is "accepted" exactly when it is in progress with response_status set). Fenced like
+-- complete(): a stale token raises IK001 (IK004 if it completed the key) and the hand-off rolls
+-- back with it.
+CREATE OR REPLACE FUNCTION idempotency.accept(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    lease interval DEFAULT NULL,
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+-- A generic plan prunes the partitions of keys at executor startup; see docs/design.md.
+SET plan_cache_mode = force_generic_plan
+AS $$
+DECLARE
+    v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
+        ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
+    v_created_at timestamptz;
+    v_headers jsonb := coalesce(accept.headers, '{}');
+    v_expires timestamptz;
+BEGIN
+    -- One inlined test for the common case; the checks below it say what is wrong.
+    -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
+    -- Sizes first, as in complete(), uncompressed (a value read from a table may be
+    -- compressed: _raw_size).
+    IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
+                    AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
+                    AND (accept.body IS NULL OR pg_column_size(accept.body) <= 65536
+                         AND pg_column_compression(accept.body) IS NULL)
+                    AND pg_column_size(v_headers) <= 4096
+                    AND pg_column_compression(v_headers) IS NULL
+                    AND idempotency._headers_ok(v_headers)
+                    AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
+                    false) THEN
+        IF pg_column_size(accept.body) > 65536
+           OR pg_column_compression(accept.body) IS NOT NULL THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'body',
+                                            idempotency._raw_size(accept.body),
+                                            'max_response_bytes');
+        END IF;
+        IF pg_column_size(v_headers) > 4096 OR pg_column_compression(v_headers) IS NOT NULL THEN
+            PERFORM idempotency._check_size('idempotency.accept', 'headers',
+                                            idempotency._raw_size(v_headers),
+                                            'max_headers_bytes');
+        END IF;
+        PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
+                                            accept.lease_token, accept.status, v_headers);
+        IF accept.lease IS NOT NULL THEN
+            PERFORM idempotency._check_lease('idempotency.accept', 'lease', accept.lease);
+        END IF;
+    END IF;
+
+    -- The key's one partition, from the directory (see claim).
+    SELECT d.created_at INTO v_created_at
+    FROM idempotency.key_directory AS d
+    WHERE d.scope = accept.scope AND d.key_hash = sha256(convert_to(accept.key, 'UTF8'));
+    -- An absent key probes the partition of now, as an existing key probes its own: no
+    -- timing difference for a wrong token to read (docs/design.md).
+    v_created_at := coalesce(v_created_at, v_now);
+
+    -- The fenced UPDATE, on the one partition created_at names (see _make_routes); a NULL
+    -- expiry (no lease given) keeps the lease as it is.
+    v_expires := idempotency._accept_row(accept.scope, accept.key, accept.lease_token,
+                                         v_created_at, accept.status, v_headers, accept.body,
+                                         v_now + accept.lease);
+    IF v_expires IS NULL THEN
+        PERFORM idempotency._lease_error('idempotency.accept', accept.scope, accept.key,
+                                         accept.lease_token);
+    END IF;
+    RETURN v_expires;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.accept(
+    text, text, bigint, integer, jsonb, jsonb, interval, timestamptz
+) IS
+'Store an interim response (e.g. 202 Accepted with a status URL) on a key you hold, in the
+transaction that hands the work over; optionally extend the lease to at least now + lease.
+Returns the lease expiry. Until complete(), claims under a live lease get outcome accepted with
+this response. Raises IK001 (not the key''s current token) or IK004 (completed with this token).';
+
+-- sql/functions/complete.sql
+-- Call inside the business transaction, after its writes: the response becomes replayable in
+-- the same commit as the effect it describes.
+--
+-- The fenced UPDATE is the generated route _complete_row (see _make_routes): it matches only
+-- while the caller's token is still the key's token; otherwise _lease_error raises, and the
+-- caller's business writes in the same transaction roll back with it, so a stale worker can
+-- never commit a completion. The route finds the key's partition by the completion's time
+-- first (its guess), and reads key_directory only when that misses. Two PL/pgSQL levels on the
+-- success path: 0.10.0 had three (through _finish) and always read the directory.
+CREATE OR REPLACE FUNCTION idempotency.complete(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body jsonb,
+    headers jsonb DEFAULT '{}',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz;
+    v_completed timestamptz;
+BEGIN
+    -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
+    -- once per transaction, and pays for every function it calls: see claim); the
+    -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
+    -- operand would make the whole test NULL. The form of the scope and the key (a regex
+    -- each, the costliest checks) and the token's NULL are left to the miss
+    -- below; the scope's NULL stays here, so that no statement of the route runs without the
+    -- scope that places it (on Citus, its shard). headers NULL takes the branch, which makes
+    -- it '{}'. The sizes come first there (before the headers' jsonpath test reads them):
+    -- above the smallest limits allowed (64 KiB, 4 KiB) the settings decide (_check_size),
+    -- before anything is stored. A compressed value (read from a table, never one the client
+    -- sent) takes the branch too, which measures it uncompressed (_raw_size): the common call
+    -- pays a header test.
+    IF NOT coalesce(complete.reference_time IS NULL AND complete.scope IS NOT NULL
+                    AND complete.status BETWEEN 100 AND 599
+                    AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536
+                         AND pg_column_compression(complete.body) IS NULL)
+                    AND pg_column_size(complete.headers) <= 4096
+                    AND pg_column_compression(complete.headers) IS NULL
+                    AND idempotency._headers_ok(complete.headers), false) THEN
+        complete.headers := coalesce(complete.headers, '{}');
+        IF pg_column_size(complete.body) > 65536
+           OR pg_column_compression(complete.body) IS NOT NULL THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'body',
+                                            idempotency._raw_size(complete.body),
+                                            'max_response_bytes');
+        END IF;
+        IF pg_column_size(complete.headers) > 4096
+           OR pg_column_compression(complete.headers) IS NOT NULL THEN
+            PERFORM idempotency._check_size('idempotency.complete', 'headers',
+                                            idempotency._raw_size(complete.headers),
+                                            'max_headers_bytes');
+        END IF;
+        PERFORM idempotency._check_response('idempotency.complete', complete.scope,
+                                            complete.key, complete.lease_token,
+                                            complete.status, complete.headers);
+        IF complete.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.complete', complete.reference_time);
+        END IF;
+    END IF;
+    v_completed := idempotency._complete_row(
+        complete.scope, complete.key, complete.lease_token, NULL, complete.status,
+        complete.headers, complete.body, NULL,
+        CASE WHEN complete.body IS NULL THEN NULL ELSE 'application/json' END,
+        coalesce(v_now, clock_timestamp()));
+    IF v_completed IS NULL THEN
+        -- No key in progress matched this token. The test above left out the form of the
+        -- scope and the key and the token's NULL: claim never stores a bad name, and no row
+        -- has a NULL token, so a bad one can only miss, and is reported now, with the error the
+        -- branch above raises for it (its other arguments passed there), before the lease's.
+        PERFORM idempotency._check_response('idempotency.complete', complete.scope,
+                                            complete.key, complete.lease_token,
+                                            complete.status, complete.headers);
+        PERFORM idempotency._lease_error('idempotency.complete', complete.scope, complete.key,
+                                         complete.lease_token);
+    END IF;
+    RETURN v_completed;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz) IS
+'Complete a key you hold with a JSON response (body may be NULL, e.g. for 204), in the same
+transaction as the business write; returns completed_at. Raises IK001 (not the key''s current
+token: roll back) or IK004 (already completed with this token).';
+
+-- sql/functions/complete_bytes.sql
+-- complete() for responses that are not JSON (a PDF, a CSV, an XML body): the bytes and their
+-- content type are replayed as they were. The same fenced route as complete() (see there).
+CREATE OR REPLACE FUNCTION idempotency.complete_bytes(
+    scope text,
+    key text,
+    lease_token bigint,
+    status integer,
+    body bytea,
+    content_type text,
+    headers jsonb DEFAULT '{}',
+    reference_time timestamptz DEFAULT NULL
+)
+RETURNS timestamptz
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for application roles without table privileges; see claim()
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz;
+    v_completed timestamptz;
+BEGIN
+    -- One inlined test for the common call (PL/pgSQL builds each expression's executor state
+    -- once per transaction, and pays for every function it calls: see claim); the
+    -- branch below checks in the documented order and says what is wrong. coalesce: one NULL
+    -- operand would make the whole test NULL. The form of the scope and the key and the
+    -- token's NULL are left to the miss below, as in complete(). headers NULL takes the
+    -- branch, which makes it '{}'.
+    IF NOT coalesce(complete_bytes.reference_time IS NULL
+                    AND complete_bytes.scope IS NOT NULL
+                    AND complete_bytes.status BETWEEN 100 AND 599
+                    AND (complete_bytes.body IS NULL AND complete_bytes.content_type IS NULL
+                         OR idempotency._name_ok(complete_bytes.content_type))
+                    AND (complete_bytes.body IS NULL
+                         OR octet_length(complete_bytes.body) <= 65536)
+                    AND pg_column_size(complete_bytes.headers) <= 4096
+                    AND pg_column_compression(complete_bytes.headers) IS NULL
+                    AND idempotency._headers_ok(complete_bytes.headers), false) THEN
+        complete_bytes.headers := coalesce(complete_bytes.headers, '{}');
+        -- A body needs its content type; a content type is checked even without a body,
+        -- since it is replayed as a header either way.
+        IF complete_bytes.body IS NOT NULL OR complete_bytes.content_type IS NOT NULL THEN
+            PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
+                                            complete_bytes.content_type);
+        END IF;
+        -- The other arguments as in complete(), sizes first (octet_length of a bytea is its
+        -- uncompressed size, read from its header).
+        IF octet_length(complete_bytes.body) > 65536 THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'body',
+                                            octet_length(complete_bytes.body),
+                                            'max_response_bytes');
+        END IF;
+        IF pg_column_size(complete_bytes.headers) > 4096
+           OR pg_column_compression(complete_bytes.headers) IS NOT NULL THEN
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
+                                            idempotency._raw_size(complete_bytes.headers),
+                                            'max_headers_bytes');
+        END IF;
+        PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,
+                                            complete_bytes.key, complete_bytes.lease_token,
+                                            complete_bytes.status, complete_bytes.headers);
+        IF complete_bytes.reference_time IS NOT NULL THEN
+            v_now := idempotency._test_clock('idempotency.complete_bytes',
+                                             complete_bytes.reference_time);
+        END IF;
+    END IF;
+    v_completed := idempotency._complete_row(
+        complete_bytes.scope, complete_bytes.key, complete_bytes.lease_token, NULL,
+        complete_bytes.status, complete_bytes.headers, NULL, complete_bytes.body,
+        complete_bytes.content_type, coalesce(v_now, clock_timestamp()));
+    IF v_completed IS NULL THEN
+        -- No key in progress matched: the scope, key and token are checked now, as in
+        -- complete() (see there), and only then the lease.
+        PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,
+                                            complete_bytes.key, complete_bytes.lease_token,
+                                            complete_bytes.status, complete_bytes.headers);
+        PERFORM idempotency._lease_error('idempotency.complete_bytes', complete_bytes.scope,
+                                         complete_bytes.key, complete_bytes.lease_token);
+    END IF;
+    RETURN v_completed;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.complete_bytes(
+    text, text, bigint, integer, bytea, text, jsonb, timestamptz
+) IS
+'Complete a key you hold with a non-JSON response body and its content type, in the same
+transaction as the business write; returns completed_at. Raises IK001 or IK004.';
+
+-- sql/functions/_maintain.sql
+-- The work of idempotency.maintain() (below), which wraps it to record each run in
+-- idempotency.maintenance_runs. Everything said here is what maintain() does.
+--
+-- Retention by partitions, for idempotency.keys, idempotency.inbox and idempotency.tombstones.
+-- Run it from a scheduler (pg_cron: schedule_maintenance; cron; a Kubernetes CronJob) as often
+-- as you like: every step is idempotent and a run that finds nothing to do changes nothing.
+--
+-- A run has two phases, because the first exclusive lock it takes on a parent table is held
+-- until the run's transaction commits, and every claim waits for it meanwhile:
+--
+-- 1. Slow work under ordinary locks only, while claims go on: tombstones for the keys about to
+--    go (settings.tombstones), deleting expired rows from the default partitions, counting the
+--    rows of the partitions to drop.
+-- 2. Fast DDL, each step under settings.maintenance_lock_timeout (200 ms by default): drop the
+--    partitions wholly older than the retention (never the newest one), move rows that wait in
+--    a default partition into a partition made for them, create settings.premake partitions
+--    ahead. A step whose lock is not granted in time is skipped and reported, and so are the
+--    later steps on that table: the run never queues an exclusive lock in front of live claims
+--    for longer than the timeout, and a long transaction can only make it skip.
+--
+-- Tables are taken in the order keys, tombstones, inbox: claim() locks keys before tombstones,
+-- so a run never holds the tombstones lock while it waits for the keys lock.
+--
+-- Whatever drops, deletes or expires is measured from v_until: reference_time, or now() when
+-- reference_time is later. A key is promised at least the retention, and a reference_time
+-- ahead of the clock (now() + 2 days, 9998-12-31) once dropped keys 18 hours old. Partitions
+-- are still made ahead of reference_time: making one early loses nothing.
+CREATE OR REPLACE FUNCTION idempotency._maintain(reference_time timestamptz DEFAULT now())
+RETURNS SETOF idempotency.maintenance_action
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_settings idempotency.settings;
+    v_saved_lock_timeout text := current_setting('lock_timeout');
+    v_parents text[] := ARRAY['keys', 'tombstones', 'inbox'];
+    v_parent text;
+    v_window interval;
+    v_newest timestamptz;
+    v_keep_from timestamptz;
+    v_cutoff timestamptz;
+    v_column text;
+    v_part record;
+    v_count bigint;
+    v_drops idempotency.maintenance_action[] := ARRAY[]::idempotency.maintenance_action[];
+    v_blocked text[] := ARRAY[]::text[];
+    v_step idempotency.maintenance_action;
+    v_timeout text;
+    v_forgotten bigint := 0::bigint;
+    v_until timestamptz;
+BEGIN
+    IF _maintain.reference_time IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
+                                              'must not be NULL');
+    END IF;
+    -- 'infinity' dropped every partition holding keys, 294276-12-31 raised 22008 from the
+    -- partition arithmetic, 1960-01-01 made partitions for 1960: the range every reference_time
+    -- has (see _check_time).
+    PERFORM idempotency._check_time('idempotency.maintain', 'reference_time',
+                                    _maintain.reference_time);
+    v_until := least(_maintain.reference_time, now());
+    -- Two runs at once would only wait for each other's locks: the second one leaves at once.
+    -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
+    IF NOT pg_try_advisory_xact_lock(3, 0) THEN
+        v_step.action := 'skipped';
+        v_step.reason := 'another idempotency.maintain() run holds the maintenance lock';
+        RETURN NEXT v_step;
+        RETURN;
+    END IF;
+    INSERT INTO idempotency.settings DEFAULT VALUES ON CONFLICT (id) DO NOTHING;
+    SELECT s.* INTO STRICT v_settings FROM idempotency.settings AS s;
+    IF idempotency._distributed() THEN
+        -- Citus: the partition DDL below may not follow statements that ran on many shards in
+        -- parallel in the same transaction; one connection per node keeps both possible.
+        PERFORM set_config('citus.multi_shard_modify_mode', 'sequential', true);
+    END IF;
+
+    -- Phase 1: no exclusive lock yet.
+    FOREACH v_parent IN ARRAY v_parents LOOP
+        IF v_parent <> 'tombstones' AND NOT v_settings.manage_partitions THEN
+            v_step := ROW('skipped', v_parent, NULL::text, NULL::timestamptz, NULL::timestamptz,
+                          NULL::bigint,
+                          'settings.manage_partitions is off: its partitions are managed '
+                          || 'elsewhere (pg_partman)');
+            RETURN NEXT v_step;
+            CONTINUE;
+        END IF;
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        v_column := CASE v_parent WHEN 'inbox' THEN 'received_at' ELSE 'created_at' END;
+
+        -- The rows of the newest interval that holds any are never dropped or deleted, however
+        -- far ahead reference_time is, so that no argument empties the table (a reference_time
+        -- in 9998 dropped every key, and every retry after it executed again). v_keep_from is
+        -- the start of that interval (_keep_from, which partition_status() and metrics() use
+        -- too).
+        -- The cost: a system that took no new row for longer than the window keeps its last
+        -- interval's rows until newer ones come (docs/maintenance.md).
+        v_keep_from := NULL;
+        IF v_window IS NOT NULL THEN
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
+        END IF;
+        -- Rows (and partitions wholly) before v_cutoff go.
+        v_cutoff := least(v_until - v_window, v_keep_from);
+
+        -- Rows of the default partition past their retention: no partition to drop, so delete.
+        IF v_parent = 'keys' AND v_settings.tombstones THEN
+            v_count := idempotency._write_tombstones(
+                'keys_default', v_cutoff,
+                v_settings.tombstone_retention, v_until);
+            IF v_count > 0 THEN
+                v_step := ROW('tombstoned', v_parent, 'keys_default', NULL::timestamptz,
+                              NULL::timestamptz, v_count,
+                              'keys past the retention in the default partition');
+                RETURN NEXT v_step;
+            END IF;
+        END IF;
+        -- Their directory rows first (keys that got a tombstone just above keep theirs).
+        v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+            v_parent, v_parent || '_default',
+            CASE WHEN v_parent = 'tombstones' AND NOT v_settings.tombstones
+                 THEN 'infinity' ELSE v_cutoff END);
+        IF v_parent = 'tombstones' AND NOT v_settings.tombstones THEN
+            -- Tombstones off: an expired key is a new request, so forget them all.
+            v_window := NULL;
+            DELETE FROM idempotency.tombstones_default;
+        ELSE
+            EXECUTE format('DELETE FROM idempotency.%I WHERE %I < $1', v_parent || '_default',
+                           v_column)
+            USING v_cutoff;
+        END IF;
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        IF v_count > 0 THEN
+            v_step := ROW('deleted', v_parent, v_parent || '_default', NULL::timestamptz,
+                          NULL::timestamptz, v_count,
+                          CASE WHEN v_window IS NULL THEN 'settings.tombstones is off'
+                               ELSE format('older than %s (%s)', v_window,
+                                           CASE v_parent WHEN 'tombstones'
+                                               THEN 'tombstone_retention'
+                                               ELSE 'retention' END) END);
+            RETURN NEXT v_step;
+        END IF;
+
+        -- Ranged partitions wholly older than the window, oldest first.
+        SELECT max(p.upper_bound) INTO v_newest
+        FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        FOR v_part IN
+            SELECT p.partition_name, p.lower_bound, p.upper_bound
+            FROM idempotency._partitions(v_parent) AS p
+            WHERE NOT p.is_default
+              AND (v_window IS NULL OR p.upper_bound <= v_until - v_window)
+            ORDER BY p.lower_bound
+        LOOP
+            IF v_window IS NOT NULL AND v_part.upper_bound = v_newest THEN
+                -- A reference_time far ahead must not empty the table of partitions.
+                v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, NULL::bigint,
+                              'the newest partition is never dropped');
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            IF v_window IS NOT NULL AND v_part.upper_bound > v_cutoff THEN
+                -- Nor the one holding the newest rows, nor any after it (see v_keep_from).
+                v_step := ROW('skipped', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, NULL::bigint,
+                              'never dropped: it holds the newest rows, or comes after them');
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            IF v_parent = 'keys' AND v_settings.tombstones THEN
+                v_count := idempotency._write_tombstones(
+                    v_part.partition_name, v_part.upper_bound,
+                    v_settings.tombstone_retention, v_until);
+                v_step := ROW('tombstoned', v_parent, v_part.partition_name, v_part.lower_bound,
+                              v_part.upper_bound, v_count, 'before the partition is dropped');
+                RETURN NEXT v_step;
+            END IF;
+            -- Now, under ordinary locks, not next to the DROP below: phase 2 must stay short.
+            -- Should the DROP be skipped, these keys are past their retention and a retry of
+            -- one is a new request, as it would be once the partition is gone.
+            v_forgotten := v_forgotten + idempotency._drop_directory_rows(
+                v_parent, v_part.partition_name, 'infinity');
+            EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+            INTO v_count;
+            v_drops := v_drops || ROW(
+                'dropped', v_parent, v_part.partition_name, v_part.lower_bound,
+                v_part.upper_bound, v_count,
+                CASE WHEN v_window IS NULL THEN 'settings.tombstones is off'
+                     ELSE format('wholly older than %s (%s)', v_window,
+                                 CASE v_parent WHEN 'tombstones' THEN 'tombstone_retention'
+                                               ELSE 'retention' END) END
+            )::idempotency.maintenance_action;
+        END LOOP;
+    END LOOP;
+
+    -- Phase 2: DDL under a short lock_timeout (local to this transaction; restored below).
+    v_timeout := ceil(extract(EPOCH FROM v_settings.maintenance_lock_timeout) * 1000)::bigint
+                 || ' ms';
+    PERFORM set_config('lock_timeout', v_timeout, true);
+    FOREACH v_parent IN ARRAY v_parents LOOP
+        CONTINUE WHEN v_parent <> 'tombstones' AND NOT v_settings.manage_partitions;
+        FOREACH v_step IN ARRAY v_drops LOOP
+            CONTINUE WHEN v_step.parent_table <> v_parent;
+            IF v_parent = ANY (v_blocked) THEN
+                v_step.action := 'skipped';
+                v_step.reason := format('not dropped: an earlier step could not lock '
+                                        'idempotency.%s', v_parent);
+                RETURN NEXT v_step;
+                CONTINUE;
+            END IF;
+            BEGIN
+                -- Also takes ACCESS EXCLUSIVE on the parent, held until the run commits.
+                EXECUTE format('DROP TABLE idempotency.%I', v_step.partition_name);
+                RETURN NEXT v_step;
+            EXCEPTION WHEN lock_not_available THEN
+                v_blocked := v_blocked || v_parent;
+                v_step.action := 'skipped';
+                v_step.reason := format(
+                    'not dropped: idempotency.%s was not locked within %s '
+                    '(settings.maintenance_lock_timeout); a transaction is using it',
+                    v_parent, v_timeout);
+                RETURN NEXT v_step;
+            END;
+        END LOOP;
+        FOR v_step IN
+            SELECT * FROM idempotency._make_partitions(
+                v_parent, v_settings, _maintain.reference_time, v_parent = ANY (v_blocked))
+        LOOP
+            IF v_step.action = 'skipped' AND v_step.reason LIKE '%was not locked within%' THEN
+                v_blocked := v_blocked || v_parent;
+            END IF;
+            RETURN NEXT v_step;
+        END LOOP;
+    END LOOP;
+
+    IF v_forgotten > 0 THEN
+        v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                      NULL::timestamptz, v_forgotten,
+                      'the directory rows of the keys and tombstones that go');
+        RETURN NEXT v_step;
+    END IF;
+    IF NOT v_settings.manage_partitions THEN
+        -- pg_partman drops partitions of keys and inbox without telling: forget the directory
+        -- rows that point at no key, tombstone or message any more (a claim would treat such a row as a new
+        -- key anyway; this only keeps the directory from growing). It reads the whole
+        -- directory, so only in this mode.
+        DELETE FROM idempotency.key_directory AS d
+        WHERE d.created_at < v_until - v_settings.retention
+          AND NOT EXISTS (
+              SELECT FROM idempotency.keys AS k
+              WHERE k.scope = d.scope AND k.created_at = d.created_at
+                AND idempotency._key_hash(k.key) = d.key_hash
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.tombstones AS t
+              WHERE t.scope = d.scope AND t.key_hash = d.key_hash
+                AND t.created_at = d.created_at
+          )
+          AND NOT EXISTS (
+              SELECT FROM idempotency.inbox AS i
+              WHERE i.consumer = d.scope AND i.received_at = d.created_at
+                AND idempotency._key_hash(chr(31) || i.message_id) = d.key_hash
+          );
+        GET DIAGNOSTICS v_count = ROW_COUNT;
+        IF v_count > 0 THEN
+            v_step := ROW('deleted', 'key_directory', 'key_directory', NULL::timestamptz,
+                          NULL::timestamptz, v_count,
+                          format('older than %s (retention) and pointing to no key or '
+                                 'tombstone (partitions dropped elsewhere)',
+                                 v_settings.retention));
+            RETURN NEXT v_step;
+        END IF;
+    END IF;
+    -- The partitions of keys may have changed (here, or by pg_partman since the last run).
+    PERFORM idempotency._make_routes();
+    PERFORM set_config('lock_timeout', v_saved_lock_timeout, true);
+    RETURN;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency._maintain(timestamptz) IS
+'Internal: the steps of idempotency.maintain(), which records each run in
+idempotency.maintenance_runs. See docs/maintenance.md.';
+
+-- sql/functions/maintain.sql
+-- Retention by partitions, for idempotency.keys, idempotency.inbox and idempotency.tombstones:
+-- the steps are idempotency._maintain()'s (read there how a run goes). This wrapper returns
+-- them as they come and records the run in idempotency.maintenance_runs at its end, in the
+-- run's own transaction, so idempotency.metrics() can tell when maintenance last ran, how long
+-- it took and what it did without anything being written on the claim/complete path.
+-- The run's row records the time its drops were measured from: reference_time, or now() when
+-- reference_time is later (a future reference_time never drops a key younger than the
+-- retention; see _maintain).
+CREATE OR REPLACE FUNCTION idempotency.maintain(reference_time timestamptz DEFAULT now())
+RETURNS SETOF idempotency.maintenance_action
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_started timestamptz := clock_timestamp();
+    v_step idempotency.maintenance_action;
+    v_created integer := 0;
+    v_dropped integer := 0;
+    v_rows bigint := 0::bigint;
+    v_skipped integer := 0;
+    v_not_done boolean := false;
+    v_whole_run_skipped boolean := false;
+    v_id bigint;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.maintain');
+    FOR v_step IN SELECT * FROM idempotency._maintain(maintain.reference_time) LOOP
+        CASE v_step.action
+            WHEN 'created' THEN
+                v_created := v_created + 1;
+            WHEN 'dropped' THEN
+                v_dropped := v_dropped + 1;
+            WHEN 'skipped' THEN
+                v_skipped := v_skipped + 1;
+                -- "not dropped: ...", "not moved: ...", "not created: ...": a step that was
+                -- due but could not be done (a lock not granted in time, an error caught).
+                -- Other skips are by design (the newest partition, manage_partitions off).
+                v_not_done := v_not_done OR v_step.reason LIKE 'not %';
+                v_whole_run_skipped := v_whole_run_skipped OR v_step.parent_table IS NULL;
+            ELSE
+                v_rows := v_rows + coalesce(v_step.row_count, 0);
+        END CASE;
+        RETURN NEXT v_step;
+    END LOOP;
+    INSERT INTO idempotency.maintenance_runs (
+        started_at, finished_at, reference_time, outcome, created, dropped, rows_changed,
+        skipped_steps
+    )
+    VALUES (
+        v_started, clock_timestamp(), least(maintain.reference_time, now()),
+        CASE WHEN v_whole_run_skipped THEN 'skipped'
+             WHEN v_not_done THEN 'partial'
+             ELSE 'ok' END,
+        v_created, v_dropped, v_rows, v_skipped
+    )
+    RETURNING id INTO v_id;
+    DELETE FROM idempotency.maintenance_runs WHERE id <= v_id - 1000;
+    RETURN;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
+'Retention by partitions for keys, inbox and tombstones, with the key_directory rows of what
+goes: write tombstones (opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
+partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
+not granted within settings.maintenance_lock_timeout, and a run while another one is active.
+Returns what it did and records the run in idempotency.maintenance_runs. See
+docs/maintenance.md.';
+
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

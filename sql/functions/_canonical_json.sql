@@ -17,7 +17,7 @@
 -- out of stack: 54001); the Python twin (pg_idempotency.fingerprint) refuses the same.
 --
 -- The text is measured as it is built, after each array and object, against
--- settings.max_request_bytes (IK018, _check_canonical_size): a value within the limit as the
+-- settings.max_request_bytes (IK018, _check_size): a value within the limit as the
 -- server holds it can still have a longer canonical text (an escaped control character is one
 -- byte in jsonb and six in the text), and a size is checked on what is built, not after.
 -- octet_length of a text in memory reads its header; the settings row is read only above
@@ -102,8 +102,8 @@ BEGIN
             RETURN _canonical_json.value::text;
     END CASE;
     IF octet_length(v_text) > 65536 THEN
-        PERFORM idempotency._check_canonical_size(_canonical_json.fn, _canonical_json.argument,
-                                                  octet_length(v_text));
+        PERFORM idempotency._check_size(_canonical_json.fn, _canonical_json.argument,
+                                        octet_length(v_text), 'max_request_bytes', true);
     END IF;
     RETURN v_text;
 END;

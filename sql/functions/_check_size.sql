@@ -3,11 +3,19 @@
 -- stores it: a 200 MB JSON response once took 42 s and 1.4 GB of one backend's memory, and
 -- 300 MB failed with 54000 deep inside the engine.
 --
--- The callers measure the datum as the server holds it (pg_column_size of a jsonb,
--- octet_length of a bytea: both read its header only) and call this only when the size is above
--- the smallest limit the settings allow (65536 bytes for bodies, 4096 for headers, the CHECKs on
--- idempotency.settings): the settings row stays off the hot path for every ordinary call.
-CREATE FUNCTION idempotency._check_size(fn text, argument text, size integer, setting text)
+-- The callers measure the value as the caller means it, uncompressed (_raw_size of a jsonb,
+-- octet_length of a bytea: both read its header only unless it is compressed), and call this
+-- only when the size is above the smallest limit the settings allow (65536 bytes for bodies,
+-- 4096 for headers, the CHECKs on idempotency.settings): the settings row stays off the hot
+-- path for every ordinary call.
+--
+-- canonical: size is of the canonical JSON built so far from the argument (_canonical_json
+-- measures it as it grows, against max_request_bytes), and the message says so: a value within
+-- the limit can still have a longer canonical text (an escaped control character is one byte
+-- in jsonb and six in the text).
+CREATE FUNCTION idempotency._check_size(
+    fn text, argument text, size integer, setting text, canonical boolean DEFAULT false
+)
 RETURNS void
 LANGUAGE plpgsql
 STABLE
@@ -35,7 +43,11 @@ BEGIN
                              _check_size.argument),
             ERRCODE = 'IK018',
             COLUMN = _check_size.argument,
-            DETAIL = format('It is %s bytes; the limit (settings.%s) is %s bytes.',
+            DETAIL = format(CASE WHEN _check_size.canonical
+                                 THEN 'Its canonical JSON (docs/fingerprint.md) is at least %s '
+                                      'bytes; the limit (settings.%s) is %s bytes.'
+                                 ELSE 'It is %s bytes; the limit (settings.%s) is %s bytes.'
+                            END,
                             _check_size.size, _check_size.setting, v_limit),
             HINT = format('Nothing was written. Send a smaller value, or have the schema owner '
                           'raise settings.%s (docs/maintenance.md). See docs/errors.md.',
@@ -44,6 +56,7 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text) IS
-'Internal: raise IK018 when size (bytes) exceeds the limit in idempotency.settings named by
-setting (max_request_bytes, max_response_bytes or max_headers_bytes).';
+COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text, boolean) IS
+'Internal: raise IK018 when size (bytes, uncompressed; with canonical, of the canonical JSON
+built so far) exceeds the limit in idempotency.settings named by setting (max_request_bytes,
+max_response_bytes or max_headers_bytes).';

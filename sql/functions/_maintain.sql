@@ -20,6 +20,11 @@
 --
 -- Tables are taken in the order keys, tombstones, inbox: claim() locks keys before tombstones,
 -- so a run never holds the tombstones lock while it waits for the keys lock.
+--
+-- Whatever drops, deletes or expires is measured from v_until: reference_time, or now() when
+-- reference_time is later. A key is promised at least the retention, and a reference_time
+-- ahead of the clock (now() + 2 days, 9998-12-31) once dropped keys 18 hours old. Partitions
+-- are still made ahead of reference_time: making one early loses nothing.
 CREATE FUNCTION idempotency._maintain(reference_time timestamptz DEFAULT now())
 RETURNS SETOF idempotency.maintenance_action
 LANGUAGE plpgsql
@@ -43,6 +48,7 @@ DECLARE
     v_step idempotency.maintenance_action;
     v_timeout text;
     v_forgotten bigint := 0::bigint;
+    v_until timestamptz;
 BEGIN
     IF _maintain.reference_time IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.maintain', 'reference_time', 'IK010',
@@ -53,6 +59,7 @@ BEGIN
     -- has (see _check_time).
     PERFORM idempotency._check_time('idempotency.maintain', 'reference_time',
                                     _maintain.reference_time);
+    v_until := least(_maintain.reference_time, now());
     -- Two runs at once would only wait for each other's locks: the second one leaves at once.
     -- Lock space 3 (1 and 2 were the key locks of keys and inbox before 0.9.0).
     IF NOT pg_try_advisory_xact_lock(3, 0) THEN
@@ -95,13 +102,13 @@ BEGIN
             v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
         END IF;
         -- Rows (and partitions wholly) before v_cutoff go.
-        v_cutoff := least(_maintain.reference_time - v_window, v_keep_from);
+        v_cutoff := least(v_until - v_window, v_keep_from);
 
         -- Rows of the default partition past their retention: no partition to drop, so delete.
         IF v_parent = 'keys' AND v_settings.tombstones THEN
             v_count := idempotency._write_tombstones(
                 'keys_default', v_cutoff,
-                v_settings.tombstone_retention, _maintain.reference_time);
+                v_settings.tombstone_retention, v_until);
             IF v_count > 0 THEN
                 v_step := ROW('tombstoned', v_parent, 'keys_default', NULL::timestamptz,
                               NULL::timestamptz, v_count,
@@ -142,7 +149,7 @@ BEGIN
             SELECT p.partition_name, p.lower_bound, p.upper_bound
             FROM idempotency._partitions(v_parent) AS p
             WHERE NOT p.is_default
-              AND (v_window IS NULL OR p.upper_bound <= _maintain.reference_time - v_window)
+              AND (v_window IS NULL OR p.upper_bound <= v_until - v_window)
             ORDER BY p.lower_bound
         LOOP
             IF v_window IS NOT NULL AND v_part.upper_bound = v_newest THEN
@@ -164,7 +171,7 @@ BEGIN
             IF v_parent = 'keys' AND v_settings.tombstones THEN
                 v_count := idempotency._write_tombstones(
                     v_part.partition_name, v_part.upper_bound,
-                    v_settings.tombstone_retention, _maintain.reference_time);
+                    v_settings.tombstone_retention, v_until);
                 v_step := ROW('tombstoned', v_parent, v_part.partition_name, v_part.lower_bound,
                               v_part.upper_bound, v_count, 'before the partition is dropped');
                 RETURN NEXT v_step;
@@ -239,7 +246,7 @@ BEGIN
         -- key anyway; this only keeps the directory from growing). It reads the whole
         -- directory, so only in this mode.
         DELETE FROM idempotency.key_directory AS d
-        WHERE d.created_at < _maintain.reference_time - v_settings.retention
+        WHERE d.created_at < v_until - v_settings.retention
           AND NOT EXISTS (
               SELECT FROM idempotency.keys AS k
               WHERE k.scope = d.scope AND k.created_at = d.created_at

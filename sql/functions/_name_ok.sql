@@ -12,15 +12,17 @@
 -- regex says "not empty, no control character" in one call (it cannot say "at most 255": a
 -- bounded repetition compiles to a far costlier automaton). NULL gives NULL, not false: every
 -- caller wraps its test in coalesce(..., false). Measured with bench/instructions.py
--- (docs/design.md, "Performance decisions").
+-- (docs/design.md, "Performance decisions"). The length first: the regex works on a copy of
+-- the whole text at four bytes a character, so a long value (a compressed one read from a
+-- table is small as stored) must be refused before it; length() reads it once.
 CREATE FUNCTION idempotency._name_ok(value text)
 RETURNS boolean
 LANGUAGE sql
 IMMUTABLE
 PARALLEL SAFE
 RETURN (
-    value OPERATOR(pg_catalog.~) '^[^[:cntrl:]]+$'
-    AND pg_catalog.length(value) OPERATOR(pg_catalog.<=) 255
+    pg_catalog.length(value) OPERATOR(pg_catalog.<=) 255
+    AND value OPERATOR(pg_catalog.~) '^[^[:cntrl:]]+$'
 );
 
 COMMENT ON FUNCTION idempotency._name_ok(text) IS

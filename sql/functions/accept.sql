@@ -36,21 +36,27 @@ DECLARE
 BEGIN
     -- One inlined test for the common case; the checks below it say what is wrong.
     -- coalesce: one NULL operand would make the whole test NULL, and IF NOT NULL skips.
-    -- Sizes first, as in complete().
+    -- Sizes first, as in complete(), uncompressed (a value read from a table may be
+    -- compressed: _raw_size).
     IF NOT coalesce(idempotency._name_ok(accept.scope) AND idempotency._name_ok(accept.key)
                     AND accept.lease_token IS NOT NULL AND accept.status BETWEEN 100 AND 599
-                    AND (accept.body IS NULL OR pg_column_size(accept.body) <= 65536)
+                    AND (accept.body IS NULL OR pg_column_size(accept.body) <= 65536
+                         AND pg_column_compression(accept.body) IS NULL)
                     AND pg_column_size(v_headers) <= 4096
+                    AND pg_column_compression(v_headers) IS NULL
                     AND idempotency._headers_ok(v_headers)
                     AND (accept.lease IS NULL OR idempotency._lease_ok(accept.lease)),
                     false) THEN
-        IF pg_column_size(accept.body) > 65536 THEN
+        IF pg_column_size(accept.body) > 65536
+           OR pg_column_compression(accept.body) IS NOT NULL THEN
             PERFORM idempotency._check_size('idempotency.accept', 'body',
-                                            pg_column_size(accept.body), 'max_response_bytes');
+                                            idempotency._raw_size(accept.body),
+                                            'max_response_bytes');
         END IF;
-        IF pg_column_size(v_headers) > 4096 THEN
+        IF pg_column_size(v_headers) > 4096 OR pg_column_compression(v_headers) IS NOT NULL THEN
             PERFORM idempotency._check_size('idempotency.accept', 'headers',
-                                            pg_column_size(v_headers), 'max_headers_bytes');
+                                            idempotency._raw_size(v_headers),
+                                            'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
                                             accept.lease_token, accept.status, v_headers);

@@ -18,9 +18,10 @@ PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 BEGIN
-    IF pg_column_size(canonical_json.value) > 65536 THEN
+    IF pg_column_size(canonical_json.value) > 65536
+       OR pg_column_compression(canonical_json.value) IS NOT NULL THEN
         PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
-                                        pg_column_size(canonical_json.value),
+                                        idempotency._raw_size(canonical_json.value),
                                         'max_request_bytes');
     END IF;
     RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',

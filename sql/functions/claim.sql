@@ -73,11 +73,13 @@ BEGIN
                 'idempotency.claim', 'request', 'IK010', 'must not be NULL',
                 'Pass the request as jsonb, or NULL with your own 32-byte fingerprint.');
         ELSE
-            -- The size first, before canonicalizing (see _check_size; the settings row is
-            -- read only above 64 KiB, the smallest limit allowed).
-            IF pg_column_size(claim.request) > 65536 THEN
+            -- The size first, uncompressed, before canonicalizing (see _check_size and
+            -- _raw_size; the settings row is read only above 64 KiB, the smallest limit
+            -- allowed, or for a compressed value, read from a table).
+            IF pg_column_size(claim.request) > 65536
+               OR pg_column_compression(claim.request) IS NOT NULL THEN
                 PERFORM idempotency._check_size('idempotency.claim', 'request',
-                                                pg_column_size(claim.request),
+                                                idempotency._raw_size(claim.request),
                                                 'max_request_bytes');
             END IF;
             -- fingerprint(request) without its defaults/fields handling, saving a call. The

@@ -35,20 +35,27 @@ BEGIN
     -- scope that places it (on Citus, its shard). headers NULL takes the branch, which makes
     -- it '{}'. The sizes come first there (before the headers' jsonpath test reads them):
     -- above the smallest limits allowed (64 KiB, 4 KiB) the settings decide (_check_size),
-    -- before anything is stored.
+    -- before anything is stored. A compressed value (read from a table, never one the client
+    -- sent) takes the branch too, which measures it uncompressed (_raw_size): the common call
+    -- pays a header test.
     IF NOT coalesce(complete.reference_time IS NULL AND complete.scope IS NOT NULL
                     AND complete.status BETWEEN 100 AND 599
-                    AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536)
+                    AND (complete.body IS NULL OR pg_column_size(complete.body) <= 65536
+                         AND pg_column_compression(complete.body) IS NULL)
                     AND pg_column_size(complete.headers) <= 4096
+                    AND pg_column_compression(complete.headers) IS NULL
                     AND idempotency._headers_ok(complete.headers), false) THEN
         complete.headers := coalesce(complete.headers, '{}');
-        IF pg_column_size(complete.body) > 65536 THEN
+        IF pg_column_size(complete.body) > 65536
+           OR pg_column_compression(complete.body) IS NOT NULL THEN
             PERFORM idempotency._check_size('idempotency.complete', 'body',
-                                            pg_column_size(complete.body), 'max_response_bytes');
+                                            idempotency._raw_size(complete.body),
+                                            'max_response_bytes');
         END IF;
-        IF pg_column_size(complete.headers) > 4096 THEN
+        IF pg_column_size(complete.headers) > 4096
+           OR pg_column_compression(complete.headers) IS NOT NULL THEN
             PERFORM idempotency._check_size('idempotency.complete', 'headers',
-                                            pg_column_size(complete.headers),
+                                            idempotency._raw_size(complete.headers),
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,

@@ -34,6 +34,7 @@ BEGIN
                     AND (complete_bytes.body IS NULL
                          OR octet_length(complete_bytes.body) <= 65536)
                     AND pg_column_size(complete_bytes.headers) <= 4096
+                    AND pg_column_compression(complete_bytes.headers) IS NULL
                     AND idempotency._headers_ok(complete_bytes.headers), false) THEN
         complete_bytes.headers := coalesce(complete_bytes.headers, '{}');
         -- A body needs its content type; a content type is checked even without a body,
@@ -42,15 +43,17 @@ BEGIN
             PERFORM idempotency._check_name('idempotency.complete_bytes', 'content_type',
                                             complete_bytes.content_type);
         END IF;
-        -- The other arguments as in complete(), sizes first.
+        -- The other arguments as in complete(), sizes first (octet_length of a bytea is its
+        -- uncompressed size, read from its header).
         IF octet_length(complete_bytes.body) > 65536 THEN
             PERFORM idempotency._check_size('idempotency.complete_bytes', 'body',
                                             octet_length(complete_bytes.body),
                                             'max_response_bytes');
         END IF;
-        IF pg_column_size(complete_bytes.headers) > 4096 THEN
+        IF pg_column_size(complete_bytes.headers) > 4096
+           OR pg_column_compression(complete_bytes.headers) IS NOT NULL THEN
             PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
-                                            pg_column_size(complete_bytes.headers),
+                                            idempotency._raw_size(complete_bytes.headers),
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,

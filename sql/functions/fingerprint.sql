@@ -26,14 +26,23 @@ BEGIN
         PERFORM idempotency._invalid_argument('idempotency.fingerprint', 'request', 'IK010',
                                               'must not be NULL');
     END IF;
-    -- Sizes before any work on them (see _check_size).
-    IF pg_column_size(v_request) > 65536 THEN
+    -- Sizes before any work on them, uncompressed (see _check_size and _raw_size). fields
+    -- has the request's limit too: it is matched against every key of the request.
+    IF pg_column_size(v_request) > 65536 OR pg_column_compression(v_request) IS NOT NULL THEN
         PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
-                                        pg_column_size(v_request), 'max_request_bytes');
+                                        idempotency._raw_size(v_request), 'max_request_bytes');
     END IF;
-    IF pg_column_size(fingerprint.defaults) > 65536 THEN
+    IF pg_column_size(fingerprint.defaults) > 65536
+       OR pg_column_compression(fingerprint.defaults) IS NOT NULL THEN
         PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
-                                        pg_column_size(fingerprint.defaults),
+                                        idempotency._raw_size(fingerprint.defaults),
+                                        'max_request_bytes');
+    END IF;
+    IF pg_column_size(fingerprint.fields) > 65536
+       OR pg_column_compression(fingerprint.fields) IS NOT NULL THEN
+        -- (|| of an empty array returns the array it was given, decompressed.)
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields',
+                                        pg_column_size(fingerprint.fields || '{}'::text[]),
                                         'max_request_bytes');
     END IF;
     IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN

@@ -3,6 +3,9 @@
 -- them as they come and records the run in idempotency.maintenance_runs at its end, in the
 -- run's own transaction, so idempotency.metrics() can tell when maintenance last ran, how long
 -- it took and what it did without anything being written on the claim/complete path.
+-- The run's row records the time its drops were measured from: reference_time, or now() when
+-- reference_time is later (a future reference_time never drops a key younger than the
+-- retention; see _maintain).
 CREATE FUNCTION idempotency.maintain(reference_time timestamptz DEFAULT now())
 RETURNS SETOF idempotency.maintenance_action
 LANGUAGE plpgsql
@@ -44,7 +47,7 @@ BEGIN
         skipped_steps
     )
     VALUES (
-        v_started, clock_timestamp(), maintain.reference_time,
+        v_started, clock_timestamp(), least(maintain.reference_time, now()),
         CASE WHEN v_whole_run_skipped THEN 'skipped'
              WHEN v_not_done THEN 'partial'
              ELSE 'ok' END,

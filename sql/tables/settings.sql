@@ -34,11 +34,11 @@ CREATE TABLE idempotency.settings (
     -- Tombstones outlive the keys they stand for, or there would be no window for them.
     CONSTRAINT settings_tombstones_outlive_keys CHECK (tombstone_retention > retention),
     -- The columns below came with migration 0011 (size limits, refused with IK018 before
-    -- anything is canonicalized or stored; see _check_size). Bytes as the server holds the
-    -- value: pg_column_size of a jsonb, octet_length of a bytea. The floors (64 KiB, 4 KiB) are
-    -- what keeps this row off the hot path: a function reads it only for an argument above
-    -- them.
-    -- claim(request), fingerprint(request, defaults), canonical_json(value).
+    -- anything is canonicalized or stored; see _check_size). Bytes uncompressed (since 0.13.0;
+    -- a value read from a table may be compressed): pg_column_size of a jsonb (_raw_size),
+    -- octet_length of a bytea. The floors (64 KiB, 4 KiB) are what keeps this row off the hot
+    -- path: a function reads it only for an argument above them, or a compressed one.
+    -- claim(request), fingerprint(request, defaults, fields), canonical_json(value).
     max_request_bytes integer NOT NULL DEFAULT 1048576
     CHECK (max_request_bytes BETWEEN 65536 AND 1073741824),
     -- The body given to complete, complete_bytes and accept (JSON or bytes).

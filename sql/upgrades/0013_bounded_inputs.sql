@@ -4,7 +4,33 @@
 --
 -- 0013 (0.13.0): every limit holds whatever the input's origin, and maintain() keeps every key
 -- for its retention whatever reference time it is given.
+-- - A request, body or headers read from a table may be compressed, and pg_column_size
+--   measured it as stored (200 MB of repeated JSON measured 0.8 MB): claim, accept, complete,
+--   complete_bytes (headers), fingerprint (request, defaults, and fields, newly limited) and
+--   canonical_json measure a compressed value uncompressed (the new _raw_size); an
+--   uncompressed one pays one header test more. _name_ok measures a name's length before its
+--   regex runs on it.
+-- - _check_size raises every IK018, the canonical text's too (canonical => true; the DETAIL
+--   says it is the canonical JSON): _check_canonical_size is dropped.
+-- - maintain() measures what drops or expires from now() when reference_time is later, and
+--   records that time in maintenance_runs.reference_time; partitions are still made ahead of
+--   reference_time.
 -- No table changes; no data moves.
+
+DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
+DROP FUNCTION idempotency._check_size(text, text, integer, text);
+-- @include functions/_check_size.sql
+-- @include functions/_raw_size.sql
+-- @replace functions/_name_ok.sql
+-- @replace functions/_canonical_json.sql
+-- @replace functions/canonical_json.sql
+-- @replace functions/fingerprint.sql
+-- @replace functions/claim.sql
+-- @replace functions/accept.sql
+-- @replace functions/complete.sql
+-- @replace functions/complete_bytes.sql
+-- @replace functions/_maintain.sql
+-- @replace functions/maintain.sql
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

@@ -554,7 +554,8 @@ SELECT results_eq(
     $$VALUES ('_accept_row'), ('_checkpoint_row'), ('_claim_row_local'), ('_complete_row'),
              ('_drop_released_row'), ('_headers_ok'), ('_heartbeat_row'), ('_key_row'),
              ('_lease_ok'), ('_local_shards'), ('_name_ok'), ('_new_token'),
-             ('_partition_origin'), ('_partition_start'), ('_release_row'), ('_resume_row')$$,
+             ('_partition_origin'), ('_partition_start'), ('_raw_size'), ('_release_row'),
+             ('_resume_row')$$,
     'every function pins search_path except the inlinable helpers and the generated routes '
     || '(called only from functions that pin it; see _make_routes; _claim_row_local is the '
     || 'single-server stub of one)'
@@ -583,18 +584,18 @@ SELECT results_eq(
       INNER JOIN pg_language AS l ON p.prolang = l.oid
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND p.proname IN ('_headers_ok', '_lease_ok', '_local_shards', '_name_ok', '_new_token',
-                          '_partition_origin', '_partition_start')
+                          '_partition_origin', '_partition_start', '_raw_size')
       ORDER BY 1$$,
     $$VALUES ('_headers_ok', 'sql'), ('_lease_ok', 'sql'), ('_local_shards', 'sql'),
              ('_name_ok', 'sql'), ('_new_token', 'sql'), ('_partition_origin', 'sql'),
-             ('_partition_start', 'sql')$$,
+             ('_partition_start', 'sql'), ('_raw_size', 'sql')$$,
     'the helpers without search_path are SQL functions (the only kind that can be inlined)'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
       WHERE p.pronamespace = 'idempotency'::regnamespace
         AND p.proname IN ('_headers_ok', '_lease_ok', '_local_shards', '_name_ok', '_new_token',
-                          '_partition_origin', '_partition_start')
+                          '_partition_origin', '_partition_start', '_raw_size')
         AND (p.prosecdef OR p.proisstrict)$$,
     'the inlinable helpers are neither SECURITY DEFINER nor STRICT (either would stop inlining)'
 );
@@ -615,7 +616,7 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace ORDER BY 1$$,
     $$VALUES
         ('_accept_row', 'v'), ('_canonical_json', 's'), ('_canonical_number', 'i'),
-        ('_check_canonical_size', 's'), ('_check_headers', 'i'),
+        ('_check_headers', 'i'),
         ('_check_lease', 'i'), ('_check_name', 'i'), ('_check_response', 'i'),
         ('_check_size', 's'), ('_check_time', 'i'),
         ('_checkpoint_row', 'v'), ('_citus_custom_plans', 'v'), ('_claim_row_local', 'v'),
@@ -631,7 +632,7 @@ SELECT results_eq(
         ('_make_routes', 'v'), ('_mirror_completer_grants', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partition_origin', 'i'), ('_partition_start', 'i'),
-        ('_partitions', 's'), ('_premake', 'v'),
+        ('_partitions', 's'), ('_premake', 'v'), ('_raw_size', 'i'),
         ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_coordinator', 's'), ('_require_pg_cron', 's'),
         ('_require_read_committed', 's'), ('_resume_existing', 'v'),

@@ -2,8 +2,8 @@
 -- newest partition kept, partitions made ahead, rows moved out of (or deleted from) the default
 -- partition, manage_partitions off, the report, and the status functions.
 --
--- Days are counted from the day of install (as in 50_partitions.sql). Settings are the defaults:
--- daily partitions, retention 24 hours, 3 partitions ahead.
+-- Days are counted from day 0, 1000 days before the day of install (below). Settings are the
+-- defaults: daily partitions, retention 24 hours, 3 partitions ahead.
 BEGIN;
 
 SELECT plan(51);
@@ -15,8 +15,28 @@ LANGUAGE sql
 STABLE
 AS $$
     SELECT date_bin('1 day', m.applied_at, timestamptz '2000-01-01 00:00:00+00')
-           + n * interval '1 day'
+           + (n - 1000) * interval '1 day'
     FROM idempotency.migrations AS m WHERE m.version = 1
+$$;
+
+-- The test clock runs in the past: maintain() measures what it drops from now() at the latest
+-- (a later reference_time would be clamped), so day 0 is 1000 days before the day of install
+-- and every time below is before now(). The partitions the install made (its day and after,
+-- all empty) make way for day 0's, as an install on day 0 would have made them.
+DO $$
+DECLARE
+    v_part record;
+BEGIN
+    FOR v_part IN
+        SELECT p.partition_name FROM unnest(ARRAY['keys', 'inbox', 'tombstones']) AS t (parent)
+        CROSS JOIN LATERAL idempotency._partitions(t.parent) AS p
+        WHERE NOT p.is_default
+    LOOP
+        EXECUTE format('DROP TABLE idempotency.%I', v_part.partition_name);
+    END LOOP;
+    PERFORM idempotency._premake(pg_temp.d(0));
+    PERFORM idempotency._make_routes();
+END
 $$;
 
 -- part(parent, n): the name (without schema) of parent's partition for day n.

@@ -2,7 +2,7 @@
 -- tombstone window gets outcome expired, never a second execution; after the window, or with
 -- tombstones off, an expired key is a new request.
 --
--- Days are counted from the day of install (as in 50_partitions.sql). Retention 24 hours,
+-- Days are counted from day 0, 100 days before the day of install (below). Retention 24 hours,
 -- tombstone_retention 10 days.
 BEGIN;
 
@@ -14,8 +14,28 @@ LANGUAGE sql
 STABLE
 AS $$
     SELECT date_bin('1 day', m.applied_at, timestamptz '2000-01-01 00:00:00+00')
-           + n * interval '1 day'
+           + (n - 100) * interval '1 day'
     FROM idempotency.migrations AS m WHERE m.version = 1
+$$;
+
+-- The test clock runs in the past: maintain() measures what it drops from now() at the latest
+-- (a later reference_time would be clamped), so day 0 is 100 days before the day of install
+-- and every time below is before now(). The partitions the install made (its day and after,
+-- all empty) make way for day 0's, as an install on day 0 would have made them.
+DO $$
+DECLARE
+    v_part record;
+BEGIN
+    FOR v_part IN
+        SELECT p.partition_name FROM unnest(ARRAY['keys', 'inbox', 'tombstones']) AS t (parent)
+        CROSS JOIN LATERAL idempotency._partitions(t.parent) AS p
+        WHERE NOT p.is_default
+    LOOP
+        EXECUTE format('DROP TABLE idempotency.%I', v_part.partition_name);
+    END LOOP;
+    PERFORM idempotency._premake(pg_temp.d(0));
+    PERFORM idempotency._make_routes();
+END
 $$;
 
 CREATE FUNCTION pg_temp.part(parent text, n integer)

@@ -11,15 +11,16 @@ const ACCEPTED = `SELECT idempotency.accept(scope => 'acct_42', key => $1, lease
                          status => 202, body => '{"status": "pending"}',
                          headers => '{"Location": "/charges/pending"}')
   FROM idempotency.claim(scope => 'acct_42', key => $1, request => '{"amount": 8}') AS c`;
-// EXPIRE: key order-old completed, then, three days on, maintain() drops its partition and
-// keeps a tombstone (a newer key keeps the newest partition, which maintain() never drops).
+// EXPIRE: key order-old completed three days ago (the schema owner's test clock);
+// maintain() drops it and keeps a tombstone (a newer key keeps the newest partition).
 const EXPIRE = `UPDATE idempotency.settings SET tombstones = true;
 SELECT idempotency.complete(scope => 'acct_42', key => 'order-old', lease_token => c.lease_token,
-                            status => 201, body => '{"id": 0}')
-  FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}') AS c;
-SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}',
-                         reference_time => now() + interval '3 days');
-SELECT idempotency.maintain(now() + interval '3 days')`;
+                            status => 201, body => '{"id": 0}',
+                            reference_time => now() - interval '3 days')
+  FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}',
+                           reference_time => now() - interval '3 days') AS c;
+SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}');
+SELECT idempotency.maintain()`;
 
 const pool = new pg.Pool({ connectionString: process.argv[2], max: 2 });
 try {

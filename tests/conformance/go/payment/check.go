@@ -19,15 +19,16 @@ const accepted = `SELECT idempotency.accept(scope => 'acct_42', key => $1,
         headers => '{"Location": "/charges/pending"}')
     FROM idempotency.claim(scope => 'acct_42', key => $1, request => '{"amount": 8}') AS c`
 
-// expire: key order-old completed, then, three days on, maintain() drops its partition and
-// keeps a tombstone (a newer key keeps the newest partition, which maintain() never drops).
+// expire: key order-old completed three days ago (the schema owner's test clock);
+// maintain() drops it and keeps a tombstone (a newer key keeps the newest partition).
 const expire = `UPDATE idempotency.settings SET tombstones = true;
 SELECT idempotency.complete(scope => 'acct_42', key => 'order-old', lease_token => c.lease_token,
-                            status => 201, body => '{"id": 0}')
-    FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}') AS c;
-SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}',
-                         reference_time => now() + interval '3 days');
-SELECT idempotency.maintain(now() + interval '3 days')`
+                            status => 201, body => '{"id": 0}',
+                            reference_time => now() - interval '3 days')
+    FROM idempotency.claim(scope => 'acct_42', key => 'order-old', request => '{"amount": 9}',
+                           reference_time => now() - interval '3 days') AS c;
+SELECT idempotency.claim(scope => 'acct_42', key => 'order-later', request => '{}');
+SELECT idempotency.maintain()`
 
 func must(err error) {
 	if err != nil {
