@@ -122,11 +122,16 @@ max_response_bytes or max_headers_bytes).';
 -- it.
 --
 -- SQL, without SET search_path and with qualified operators, so that it is inlined into the
--- caller's expression (as _name_ok is).
+-- caller's expression (as _name_ok is); STABLE as the functions it calls are (an IMMUTABLE
+-- one calling them is not inlined, and PostgreSQL 18 then planned the call with the value as
+-- a constant, copying 200 MB seven times). For the same reason a PL/pgSQL caller assigns it
+-- to a variable (a simple expression, planned without the variable's value) and passes that
+-- on: as an argument of a PERFORM, a statement planned with its variables' values as
+-- constants, the decompressed value was folded into the plan and copied (1.5 GB for 200 MB).
 CREATE FUNCTION idempotency._raw_size(value jsonb)
 RETURNS integer
 LANGUAGE sql
-IMMUTABLE
+STABLE
 PARALLEL SAFE
 RETURN CASE
     WHEN pg_catalog.pg_column_compression(value) IS NULL THEN pg_catalog.pg_column_size(value)
@@ -305,11 +310,13 @@ SECURITY DEFINER
 PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
 BEGIN
     IF pg_column_size(canonical_json.value) > 65536
        OR pg_column_compression(canonical_json.value) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
-                                        idempotency._raw_size(canonical_json.value),
+        v_size := idempotency._raw_size(canonical_json.value);
+        PERFORM idempotency._check_size('idempotency.canonical_json', 'value', v_size,
                                         'max_request_bytes');
     END IF;
     RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',
@@ -346,6 +353,7 @@ PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_request jsonb := fingerprint.request;
 BEGIN
     IF v_request IS NULL THEN
@@ -355,20 +363,21 @@ BEGIN
     -- Sizes before any work on them, uncompressed (see _check_size and _raw_size). fields
     -- has the request's limit too: it is matched against every key of the request.
     IF pg_column_size(v_request) > 65536 OR pg_column_compression(v_request) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
-                                        idempotency._raw_size(v_request), 'max_request_bytes');
+        v_size := idempotency._raw_size(v_request);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request', v_size,
+                                        'max_request_bytes');
     END IF;
     IF pg_column_size(fingerprint.defaults) > 65536
        OR pg_column_compression(fingerprint.defaults) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
-                                        idempotency._raw_size(fingerprint.defaults),
+        v_size := idempotency._raw_size(fingerprint.defaults);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults', v_size,
                                         'max_request_bytes');
     END IF;
     IF pg_column_size(fingerprint.fields) > 65536
        OR pg_column_compression(fingerprint.fields) IS NOT NULL THEN
         -- (|| of an empty array returns the array it was given, decompressed.)
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields',
-                                        pg_column_size(fingerprint.fields || '{}'::text[]),
+        v_size := pg_column_size(fingerprint.fields || '{}'::text[]);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields', v_size,
                                         'max_request_bytes');
     END IF;
     IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN
@@ -443,6 +452,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz := clock_timestamp();
     v_key_hash bytea;
     v_created_at timestamptz;
@@ -492,8 +502,8 @@ BEGIN
             -- allowed, or for a compressed value, read from a table).
             IF pg_column_size(claim.request) > 65536
                OR pg_column_compression(claim.request) IS NOT NULL THEN
-                PERFORM idempotency._check_size('idempotency.claim', 'request',
-                                                idempotency._raw_size(claim.request),
+                v_size := idempotency._raw_size(claim.request);
+                PERFORM idempotency._check_size('idempotency.claim', 'request', v_size,
                                                 'max_request_bytes');
             END IF;
             -- fingerprint(request) without its defaults/fields handling, saving a call. The
@@ -682,6 +692,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
         ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
     v_created_at timestamptz;
@@ -703,13 +714,13 @@ BEGIN
                     false) THEN
         IF pg_column_size(accept.body) > 65536
            OR pg_column_compression(accept.body) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.accept', 'body',
-                                            idempotency._raw_size(accept.body),
+            v_size := idempotency._raw_size(accept.body);
+            PERFORM idempotency._check_size('idempotency.accept', 'body', v_size,
                                             'max_response_bytes');
         END IF;
         IF pg_column_size(v_headers) > 4096 OR pg_column_compression(v_headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.accept', 'headers',
-                                            idempotency._raw_size(v_headers),
+            v_size := idempotency._raw_size(v_headers);
+            PERFORM idempotency._check_size('idempotency.accept', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,
@@ -774,6 +785,7 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz;
     v_completed timestamptz;
 BEGIN
@@ -799,14 +811,14 @@ BEGIN
         complete.headers := coalesce(complete.headers, '{}');
         IF pg_column_size(complete.body) > 65536
            OR pg_column_compression(complete.body) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete', 'body',
-                                            idempotency._raw_size(complete.body),
+            v_size := idempotency._raw_size(complete.body);
+            PERFORM idempotency._check_size('idempotency.complete', 'body', v_size,
                                             'max_response_bytes');
         END IF;
         IF pg_column_size(complete.headers) > 4096
            OR pg_column_compression(complete.headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete', 'headers',
-                                            idempotency._raw_size(complete.headers),
+            v_size := idempotency._raw_size(complete.headers);
+            PERFORM idempotency._check_size('idempotency.complete', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,
@@ -861,6 +873,7 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz;
     v_completed timestamptz;
 BEGIN
@@ -896,8 +909,8 @@ BEGIN
         END IF;
         IF pg_column_size(complete_bytes.headers) > 4096
            OR pg_column_compression(complete_bytes.headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
-                                            idempotency._raw_size(complete_bytes.headers),
+            v_size := idempotency._raw_size(complete_bytes.headers);
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,

@@ -11,11 +11,16 @@
 -- it.
 --
 -- SQL, without SET search_path and with qualified operators, so that it is inlined into the
--- caller's expression (as _name_ok is).
+-- caller's expression (as _name_ok is); STABLE as the functions it calls are (an IMMUTABLE
+-- one calling them is not inlined, and PostgreSQL 18 then planned the call with the value as
+-- a constant, copying 200 MB seven times). For the same reason a PL/pgSQL caller assigns it
+-- to a variable (a simple expression, planned without the variable's value) and passes that
+-- on: as an argument of a PERFORM, a statement planned with its variables' values as
+-- constants, the decompressed value was folded into the plan and copied (1.5 GB for 200 MB).
 CREATE FUNCTION idempotency._raw_size(value jsonb)
 RETURNS integer
 LANGUAGE sql
-IMMUTABLE
+STABLE
 PARALLEL SAFE
 RETURN CASE
     WHEN pg_catalog.pg_column_compression(value) IS NULL THEN pg_catalog.pg_column_size(value)

@@ -28,6 +28,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz := CASE WHEN accept.reference_time IS NULL THEN clock_timestamp()
         ELSE idempotency._test_clock('idempotency.accept', accept.reference_time) END;
     v_created_at timestamptz;
@@ -49,13 +50,13 @@ BEGIN
                     false) THEN
         IF pg_column_size(accept.body) > 65536
            OR pg_column_compression(accept.body) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.accept', 'body',
-                                            idempotency._raw_size(accept.body),
+            v_size := idempotency._raw_size(accept.body);
+            PERFORM idempotency._check_size('idempotency.accept', 'body', v_size,
                                             'max_response_bytes');
         END IF;
         IF pg_column_size(v_headers) > 4096 OR pg_column_compression(v_headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.accept', 'headers',
-                                            idempotency._raw_size(v_headers),
+            v_size := idempotency._raw_size(v_headers);
+            PERFORM idempotency._check_size('idempotency.accept', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.accept', accept.scope, accept.key,

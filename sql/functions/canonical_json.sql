@@ -17,11 +17,13 @@ SECURITY DEFINER
 PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
+DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
 BEGIN
     IF pg_column_size(canonical_json.value) > 65536
        OR pg_column_compression(canonical_json.value) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.canonical_json', 'value',
-                                        idempotency._raw_size(canonical_json.value),
+        v_size := idempotency._raw_size(canonical_json.value);
+        PERFORM idempotency._check_size('idempotency.canonical_json', 'value', v_size,
                                         'max_request_bytes');
     END IF;
     RETURN idempotency._canonical_json(canonical_json.value, 'idempotency.canonical_json',

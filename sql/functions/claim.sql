@@ -29,6 +29,7 @@ SET search_path = pg_catalog, pg_temp
 SET plan_cache_mode = force_generic_plan
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz := clock_timestamp();
     v_key_hash bytea;
     v_created_at timestamptz;
@@ -78,8 +79,8 @@ BEGIN
             -- allowed, or for a compressed value, read from a table).
             IF pg_column_size(claim.request) > 65536
                OR pg_column_compression(claim.request) IS NOT NULL THEN
-                PERFORM idempotency._check_size('idempotency.claim', 'request',
-                                                idempotency._raw_size(claim.request),
+                v_size := idempotency._raw_size(claim.request);
+                PERFORM idempotency._check_size('idempotency.claim', 'request', v_size,
                                                 'max_request_bytes');
             END IF;
             -- fingerprint(request) without its defaults/fields handling, saving a call. The

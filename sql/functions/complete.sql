@@ -23,6 +23,7 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz;
     v_completed timestamptz;
 BEGIN
@@ -48,14 +49,14 @@ BEGIN
         complete.headers := coalesce(complete.headers, '{}');
         IF pg_column_size(complete.body) > 65536
            OR pg_column_compression(complete.body) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete', 'body',
-                                            idempotency._raw_size(complete.body),
+            v_size := idempotency._raw_size(complete.body);
+            PERFORM idempotency._check_size('idempotency.complete', 'body', v_size,
                                             'max_response_bytes');
         END IF;
         IF pg_column_size(complete.headers) > 4096
            OR pg_column_compression(complete.headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete', 'headers',
-                                            idempotency._raw_size(complete.headers),
+            v_size := idempotency._raw_size(complete.headers);
+            PERFORM idempotency._check_size('idempotency.complete', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete', complete.scope,

@@ -17,6 +17,7 @@ SECURITY DEFINER  -- for application roles without table privileges; see claim()
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_now timestamptz;
     v_completed timestamptz;
 BEGIN
@@ -52,8 +53,8 @@ BEGIN
         END IF;
         IF pg_column_size(complete_bytes.headers) > 4096
            OR pg_column_compression(complete_bytes.headers) IS NOT NULL THEN
-            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers',
-                                            idempotency._raw_size(complete_bytes.headers),
+            v_size := idempotency._raw_size(complete_bytes.headers);
+            PERFORM idempotency._check_size('idempotency.complete_bytes', 'headers', v_size,
                                             'max_headers_bytes');
         END IF;
         PERFORM idempotency._check_response('idempotency.complete_bytes', complete_bytes.scope,

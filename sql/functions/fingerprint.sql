@@ -20,6 +20,7 @@ PARALLEL SAFE
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
+    v_size integer;  -- _raw_size's, assigned before the PERFORM that uses it (see there)
     v_request jsonb := fingerprint.request;
 BEGIN
     IF v_request IS NULL THEN
@@ -29,20 +30,21 @@ BEGIN
     -- Sizes before any work on them, uncompressed (see _check_size and _raw_size). fields
     -- has the request's limit too: it is matched against every key of the request.
     IF pg_column_size(v_request) > 65536 OR pg_column_compression(v_request) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'request',
-                                        idempotency._raw_size(v_request), 'max_request_bytes');
+        v_size := idempotency._raw_size(v_request);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'request', v_size,
+                                        'max_request_bytes');
     END IF;
     IF pg_column_size(fingerprint.defaults) > 65536
        OR pg_column_compression(fingerprint.defaults) IS NOT NULL THEN
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults',
-                                        idempotency._raw_size(fingerprint.defaults),
+        v_size := idempotency._raw_size(fingerprint.defaults);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'defaults', v_size,
                                         'max_request_bytes');
     END IF;
     IF pg_column_size(fingerprint.fields) > 65536
        OR pg_column_compression(fingerprint.fields) IS NOT NULL THEN
         -- (|| of an empty array returns the array it was given, decompressed.)
-        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields',
-                                        pg_column_size(fingerprint.fields || '{}'::text[]),
+        v_size := pg_column_size(fingerprint.fields || '{}'::text[]);
+        PERFORM idempotency._check_size('idempotency.fingerprint', 'fields', v_size,
                                         'max_request_bytes');
     END IF;
     IF coalesce(fingerprint.defaults, '{}') <> '{}' OR fingerprint.fields IS NOT NULL THEN

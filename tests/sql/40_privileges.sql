@@ -632,7 +632,7 @@ SELECT results_eq(
         ('_make_routes', 'v'), ('_mirror_completer_grants', 'v'),
         ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partition_origin', 'i'), ('_partition_start', 'i'),
-        ('_partitions', 's'), ('_premake', 'v'), ('_raw_size', 'i'),
+        ('_partitions', 's'), ('_premake', 'v'), ('_raw_size', 's'),
         ('_reapply_grants', 'v'), ('_release_row', 'v'),
         ('_require_coordinator', 's'), ('_require_pg_cron', 's'),
         ('_require_read_committed', 's'), ('_resume_existing', 'v'),
