@@ -853,17 +853,19 @@ def test_maintain_and_status_through_the_coordinator(citus: Cluster) -> None:
     the directory rows of what it drops; key_status and partition_status read all shards."""
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
         scope = _scope()
-        token = conn.execute("SELECT lease_token FROM idempotency.claim(%s, 'old', '{}')",
-                             (scope,)).fetchone()[0]
-        conn.execute("SELECT idempotency.complete(%s, 'old', %s, 200, '{}')", (scope, token))
+        # A key of three days ago (the owner's test clock), in a partition made for then.
+        earlier = "now() - interval '3 days'"
+        conn.execute(f"SELECT idempotency._premake({earlier})")
+        token = conn.execute("SELECT lease_token FROM idempotency.claim(%s, 'old', '{}',"
+                             f" reference_time => {earlier})", (scope,)).fetchone()[0]
+        conn.execute("SELECT idempotency.complete(%s, 'old', %s, 200, '{}',"
+                     f" reference_time => {earlier})", (scope, token))
         conn.execute("UPDATE idempotency.settings SET tombstones = true")
         try:
-            later = "now() + interval '3 days'"
             # A newer key: maintain() never drops the newest interval holding keys.
-            conn.execute("SELECT idempotency.claim(%s, 'newer', '{}',"
-                         f" reference_time => {later})", (_scope(),))
+            conn.execute("SELECT idempotency.claim(%s, 'newer', '{}')", (_scope(),))
             actions = conn.execute(
-                f"SELECT action, parent_table, partition_name FROM idempotency.maintain({later})"
+                "SELECT action, parent_table, partition_name FROM idempotency.maintain()"
             ).fetchall()
             assert ("tombstoned", "keys") in {(a, p) for a, p, _ in actions}
             created = [n for a, p, n in actions if a == "created" and p == "tombstones"]
@@ -874,9 +876,8 @@ def test_maintain_and_status_through_the_coordinator(citus: Cluster) -> None:
                 "SELECT count(*) FROM citus_shards WHERE table_name::text = %s",
                 (f"idempotency.{created[0]}",)).fetchone()[0]
             assert placements == 8
-            assert conn.execute(
-                f"SELECT outcome FROM idempotency.claim(%s, 'old', '{{}}',"
-                f" reference_time => {later})", (scope,)).fetchone() == ("expired",)
+            assert conn.execute("SELECT outcome FROM idempotency.claim(%s, 'old', '{}')",
+                                (scope,)).fetchone() == ("expired",)
             status = conn.execute("SELECT state, keys FROM idempotency.key_status() WHERE scope"
                                   " = %s", (scope,)).fetchall()
             assert status == [("tombstone", 1)]

@@ -169,22 +169,28 @@ def test_metrics_and_maintain_through_the_coordinator(citus_cluster: Any,
         assert m["maintain_last_created"] == actions.count(("created",))
         assert conn.execute("SELECT count(*) FROM idempotency.maintenance_runs").fetchone() == (1,)
 
-        # Three days on, the partition of today's keys goes with its directory rows; the
-        # metrics follow (the owner may move the clock).
-        # A key claimed then stands beside them: maintain() never drops the newest interval
-        # holding keys.
-        later = "now() + interval '3 days'"
-        conn.execute(f"SELECT idempotency.claim(%s, 'newer', '{{}}', reference_time => {later})",
-                     (SCOPES[0],))
+        # Keys of three days ago (the owner's test clock), in partitions made for then: their
+        # partition goes with its directory rows and the metrics follow. (A reference_time
+        # ahead of the clock drops nothing younger than the retention.)
+        before = conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone()[0]
+        conn.execute("SELECT idempotency._premake(now() - interval '3 days')")
+        for scope in SCOPES:
+            conn.execute(
+                "SELECT idempotency.complete(%s, 'old', c.lease_token, 201, '{}', "
+                "reference_time => now() - interval '3 days') FROM idempotency.claim(%s, "
+                "'old', '{}', reference_time => now() - interval '3 days') AS c",
+                (scope, scope))
         actions = conn.execute(
-            f"SELECT action, parent_table FROM idempotency.maintain({later})").fetchall()
+            "SELECT action, parent_table FROM idempotency.maintain()").fetchall()
         dropped = [a for a in actions if a == ("dropped", "keys")]
         assert dropped, actions
-        m = wait_for(conn, "keys_total_estimate", 1, later)
-        assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) == (1, 0, 1)
+        m = wait_for(conn, "keys_total_estimate", expected["total"])
+        assert (m["keys_in_progress"], m["keys_released"], m["keys_total_estimate"]) == (
+            expected["in_progress"], expected["released"], expected["total"])
         assert m["maintain_last_outcome"] == "ok"
         assert m["maintain_last_dropped"] == sum(1 for a, _ in actions if a == "dropped")
-        assert conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone() == (1,)
+        assert conn.execute("SELECT count(*) FROM idempotency.key_directory").fetchone() == (
+            before,)
         assert conn.execute("SELECT outcome FROM idempotency.maintenance_runs ORDER BY id"
                             ).fetchall() == [("ok",), ("ok",)]
 

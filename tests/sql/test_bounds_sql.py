@@ -8,6 +8,7 @@
 * Time arguments: every extreme reference_time (infinity, -infinity, 9998-12-31, 9999-01-01,
   294276-12-31, 1960-01-01 and both edges of the range) either runs, with every key still there
   and a handful of partitions made, or is refused with IK014 (never 22008), changing nothing.
+  A reference_time ahead of the clock drops no key younger than the retention.
 * On a Citus worker, the functions only the coordinator serves answer IK022 (never a raw
   42P01 / 42704), and the coordinator still runs them.
 * docs/errors.md lists every SQLSTATE the engine's SQL sources can raise.
@@ -288,12 +289,51 @@ def test_maintain_inside_the_range_keeps_the_newest_keys(db: str, at: str) -> No
         # The current interval and settings.premake ahead, for keys, inbox and tombstones.
         assert len(made) <= 3 * 4, made
         if at.startswith("9998"):
-            assert any(r == "never dropped: it holds the newest rows, or comes after them"
-                       for *_, r in steps), steps
-        # The run is recorded (metrics read it), with the time it was given.
-        assert owner.execute("SELECT reference_time = %s::timestamptz FROM "
+            # What drops is measured from now(), not from 9998: nothing is due (before
+            # 0.13.0 only the rule that keeps the newest rows' partition saved today's keys).
+            assert not any(action == "dropped" for action, *_ in steps), steps
+        # The run is recorded (metrics read it), with the time its drops were measured from:
+        # the one it was given, or now() when that is later (a future time drops no key
+        # younger than the retention).
+        assert owner.execute("SELECT reference_time = least(%s::timestamptz, reference_time) "
+                             "AND reference_time <= started_at FROM "
                              "idempotency.maintenance_runs ORDER BY id DESC LIMIT 1",
                              (at,)).fetchone() == (True,)
+
+
+@pytest.mark.parametrize("at", ["now() + interval '2 days'", "'9998-12-31'::timestamptz"])
+def test_a_future_reference_time_drops_no_key_younger_than_the_retention(db: str,
+                                                                        at: str) -> None:
+    """Retention 24 hours: 30 keys aged 0 to 23.9 hours all still replay after
+    maintain(now() + 2 days) or maintain('9998-12-31') (before 0.13.0, 15 of 30 went), while
+    the keys older than the retention go as before, their partitions dropped."""
+    with psycopg.connect(db, autocommit=True) as owner:
+        # Partitions from four days ago, as a maintain() then would have made them.
+        owner.execute("SELECT idempotency._premake(now() - interval '4 days')")
+        owner.execute("SELECT idempotency._premake()")
+        ages = [f"{i * 23.9 / 29:.4f} hours" for i in range(30)]
+        ages += ["50 hours", "70 hours", "80 hours"]
+        for i, age in enumerate(ages):
+            # The test clock (the schema owner's reference_time): created that long ago.
+            owner.execute(
+                "SELECT idempotency.complete('f', c.key, c.lease_token, 201, '{}', "
+                "reference_time => now() - %s::interval) FROM (SELECT %s AS key, lease_token "
+                "FROM idempotency.claim('f', %s, '{}', reference_time => now() - %s::interval)"
+                ") AS c", (age, f"k{i}", f"k{i}", age))
+        steps = owner.execute(f"SELECT action, partition_name, row_count "
+                              f"FROM idempotency.maintain({at})").fetchall()
+        outcomes = [owner.execute("SELECT outcome FROM idempotency.claim('f', %s, '{}')",
+                                  (f"k{i}",)).fetchone()[0] for i in range(len(ages))]
+        assert outcomes[:30] == ["replay"] * 30, (outcomes, steps)
+        # Older than the retention (and than the partition holding the newest keys): gone,
+        # each a new key again, by a partition drop.
+        assert outcomes[30:] == ["claimed"] * 3, (outcomes, steps)
+        dropped = sum(n for action, _, n in steps if action == "dropped")
+        assert dropped == 3, steps
+        # The run records the time its drops were measured from: now(), not the one given.
+        assert owner.execute("SELECT reference_time <= started_at FROM "
+                             "idempotency.maintenance_runs ORDER BY id DESC LIMIT 1"
+                             ).fetchone() == (True,)
 
 
 @pytest.mark.parametrize("at", OUT_OF_RANGE)
