@@ -11,7 +11,8 @@
   A reference_time ahead of the clock drops no key younger than the retention.
 * On a Citus worker, the functions only the coordinator serves answer IK022 (never a raw
   42P01 / 42704), and the coordinator still runs them.
-* docs/errors.md lists every SQLSTATE the engine's SQL sources can raise.
+* docs/errors.md lists every SQLSTATE the engine's SQL sources can raise, and for each of its
+  codes every public function that can raise it.
 """
 
 from __future__ import annotations
@@ -430,14 +431,67 @@ def documented_sqlstates() -> set[str]:
     return set(re.findall(r"^\| `([0-9A-Z]{5})` \|", text, re.MULTILINE))
 
 
+def raised_codes(text: str) -> set[str]:
+    """The SQLSTATEs a SQL source raises itself: ERRCODE = '...', and the code passed to
+    _invalid_argument(fn, argument, 'IK0xx', ...)."""
+    return set(re.findall(r"ERRCODE = '([0-9A-Z]{5})'", text)) | set(
+        re.findall(r"'(IK\d{3})'", text))
+
+
+def public_raisers() -> dict[str, set[str]]:
+    """Per SQLSTATE, the public functions (no leading _) whose source, or an internal function
+    it calls (idempotency._name(...)), directly or not, raises it."""
+    texts = {p.stem: p.read_text() for p in (ROOT / "sql" / "functions").glob("*.sql")}
+    calls = {name: set(re.findall(r"idempotency\.(_\w+)\(", text)) & set(texts)
+             for name, text in texts.items()}
+
+    def reach(name: str, seen: set[str]) -> set[str]:
+        if name in seen:
+            return set()
+        seen.add(name)
+        codes = raised_codes(texts[name])
+        for callee in calls[name]:
+            codes |= reach(callee, seen)
+        return codes
+
+    raisers: dict[str, set[str]] = {}
+    for name in texts:
+        if not name.startswith("_"):
+            for code in reach(name, set()):
+                raisers.setdefault(code, set()).add(name)
+    return raisers
+
+
+def documented_raisers() -> dict[str, str]:
+    """Per SQLSTATE of errors.md's first table, its "Raised by" cell."""
+    text = (ROOT / "docs" / "errors.md").read_text()
+    return dict(re.findall(r"^\| `(IK\d{3})` \| \w+ \| ([^|]*) \|", text, re.MULTILINE))
+
+
+def test_errors_md_names_every_function_that_raises_each_code() -> None:
+    """errors.md's "Raised by" of each IK code names exactly the public functions that can
+    raise it (through any internal function they call), or says "all" (IK010 to IK013: every
+    function that takes such an argument). It once left out heartbeat_outcome and
+    checkpoint_outcome for IK014."""
+    raisers = public_raisers()
+    documented = documented_raisers()
+    public = {p.stem for p in (ROOT / "sql" / "functions").glob("*.sql")
+              if not p.stem.startswith("_")}
+    assert set(raisers) <= set(documented), sorted(set(raisers) - set(documented))
+    for code, cell in sorted(documented.items()):
+        if cell.strip() == "all":
+            assert code in {"IK010", "IK011", "IK012", "IK013"}, code
+            continue
+        named = set(re.findall(r"\b[a-z_]+\b", cell)) & public
+        assert named == raisers.get(code, set()), (
+            code, "not listed:", sorted(raisers.get(code, set()) - named),
+            "listed, never raised:", sorted(named - raisers.get(code, set())))
+
+
 def test_every_sqlstate_the_sql_sources_raise_is_documented() -> None:
     raised: dict[str, set[str]] = {}
     for path in sorted((ROOT / "sql" / "functions").glob("*.sql")):
-        text = path.read_text()
-        codes = set(re.findall(r"ERRCODE = '([0-9A-Z]{5})'", text))
-        # _invalid_argument(fn, argument, 'IK0xx', ...)
-        codes |= set(re.findall(r"'(IK\d{3})'", text))
-        for code in codes:
+        for code in raised_codes(path.read_text()):
             raised.setdefault(code, set()).add(path.stem)
     assert {"IK018", "IK022", "IK014", "IK001"} <= set(raised), raised
     missing = {c: sorted(f) for c, f in raised.items() if c not in documented_sqlstates()}

@@ -43,9 +43,9 @@ def vm_hwm(pid: int) -> int:
 
 def make_table(owner: psycopg.Connection[Any], role: str, method: str) -> None:
     """public.big, compressed with method, readable by role: rows huge (200 MB of repeated
-    JSON), two_mb (2 MB), inline (100 KB compressed inline) and small (300 KB, under every
-    limit, compressed)."""
-    owner.execute("SET default_toast_compression = %s" % method)
+    JSON), two_mb (2 MB), inline (100 KB compressed inline) and small (about 200 KB, under
+    every limit, compressed)."""
+    owner.execute("SELECT set_config('default_toast_compression', %s, false)", (method,))
     owner.execute("CREATE TABLE public.big (name text PRIMARY KEY, v jsonb, b bytea, t text)")
     owner.execute(
         "INSERT INTO public.big VALUES "
