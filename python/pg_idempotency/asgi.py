@@ -216,13 +216,21 @@ class IdempotencyMiddleware:
         method, path = scope["method"], scope["path"]
         headers = dict(scope["headers"])
         route = self.routes.route(method, path)
-        # The header's bytes as they came: never decoded as Latin-1 (contract.parse_key).
-        key = http.read_key(self.settings, route.policy, headers.get(self.header), method, path)
+        # The header's bytes as they came: never decoded as Latin-1 (contract.parse_key); every
+        # value when it came more than once (contract.read_key refuses that).
+        raw: bytes | list[bytes] | None = headers.get(self.header)
+        if raw is not None:
+            values = [v for k, v in scope["headers"] if k == self.header]
+            raw = values if len(values) > 1 else raw
+        key = http.read_key(self.settings, route.policy, raw, method, path)
         if not isinstance(key, str):
             await (self.app(scope, receive, send) if key is None else _send(send, key))
             return
-        if http.content_too_long(self.settings, _ascii(headers.get(b"content-length"))):
-            await _send(send, http.too_large(self.settings))
+        # The body rule (contract.BodyReader): a bad or too large Content-Length is answered
+        # before anything is read.
+        reader = http.BodyReader(self.settings, _ascii(headers.get(b"content-length")) or None)
+        if reader.answer is not None:
+            await _send(send, reader.answer)
             return
         caller = self.scope_of(Request(scope))
         if inspect.isawaitable(caller):
@@ -230,13 +238,13 @@ class IdempotencyMiddleware:
         if not caller:
             await _send(send, http.unknown_caller())
             return
-        body = await _read_body(receive, self.settings.max_request_bytes)
+        body = await _read_body(receive, reader)
         if body is None:
             # The client went away before its body was complete: that is not a request.
             # Nothing is claimed, so its retry with the whole body is the first attempt.
             return
-        if body is _TOO_LARGE:
-            await _send(send, http.too_large(self.settings))
+        if isinstance(body, Answer):
+            await _send(send, body)
             return
         keyed = http.keyed_request(
             self.settings, route, caller, method, path, _ascii(scope.get("query_string")),
@@ -424,32 +432,25 @@ class _Held:
                 self._slots.release()
 
 
-#: What _read_body returns for a body over the limit.
-_TOO_LARGE = b"<over the limit>"
-
-
 def _ascii(value: bytes | None) -> str:
     """A header or query string's bytes as text for the fingerprint: ASCII as it is, any
     other byte escaped (never Latin-1 mojibake)."""
     return "" if value is None else value.decode("ascii", "backslashreplace")
 
 
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole body; None when the client disconnected before its last chunk;
-    :data:`_TOO_LARGE` as soon as it is over ``limit`` bytes (the rest is not read)."""
-    chunks = []
-    size = 0
+async def _read_body(receive: Receive, reader: http.BodyReader) -> bytes | Answer | None:
+    """The body rule over ASGI messages: the whole body; None when the client disconnected
+    before its last chunk (no one to answer); else the answer ``reader`` gives instead (413 as
+    soon as the body is over the limit: the rest is not read; 400 for a body shorter than its
+    Content-Length)."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
             return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return _TOO_LARGE
-        chunks.append(chunk)
+        if not reader.feed(message.get("body", b"")):
+            return reader.finish()
         if not message.get("more_body", False):
-            return b"".join(chunks)
+            return reader.finish()
 
 
 async def _send_raw(send: Send, status: int, headers: Iterable[tuple[bytes, bytes]],

@@ -35,7 +35,15 @@ import json
 import math
 import re
 import time
-from collections.abc import Awaitable, Callable, Generator, Iterable, Iterator, Mapping
+from collections.abc import (
+    Awaitable,
+    Callable,
+    Generator,
+    Iterable,
+    Iterator,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
@@ -43,11 +51,17 @@ from typing import Any
 from ._calls import DEFAULT_LEASE
 from ._results import ClaimResult, Outcome, StoredResponse
 from ._routes import Policy, Route, Routes
-from .errors import DEFAULT_UNAVAILABLE_RETRY_AFTER, InvalidArgument, connection_lost
-from .fingerprint import _check_name, describe_request, fingerprint
+from .errors import (
+    DEFAULT_UNAVAILABLE_RETRY_AFTER,
+    ArgumentTooLarge,
+    InvalidArgument,
+    connection_lost,
+)
+from .fingerprint import _check_name, describe_request, described_fingerprint
 
-__all__ = ["DEFAULT_REPLAY_HEADERS", "Answer", "Handling", "Keyed", "Policy", "Route", "Routes",
-           "Settings", "content_too_long", "keyed_request", "response_too_large", "too_large",
+__all__ = ["CANONICAL_GROWTH", "DEFAULT_REPLAY_HEADERS", "Answer", "BodyReader", "Handling",
+           "Keyed", "Policy", "Route", "Routes", "Settings", "content_too_long", "keyed_request",
+           "read_body", "repeated_key", "response_too_large", "too_large", "too_large_answer",
            "aclaim_waiting", "body_complete", "chunked_without_length", "claim_answer",
            "claim_waiting", "guarded", "length_required",
            "handling_of", "in_progress", "incomplete_body", "no_connection", "outage", "problem",
@@ -198,25 +212,66 @@ def parse_key(raw: str | bytes) -> str:
     return text
 
 
-def read_key(settings: Settings, policy: Policy, raw: str | bytes | None, method: str,
+def _values(raw: str | bytes) -> int:
+    """How many field values ``raw`` holds: commas outside a quoted string separate them (RFC
+    9110 5.3: a server may join a repeated field's values with commas into one, as every WSGI
+    server does in the environ). A comma inside an sf-string's quotes is part of the key."""
+    text = raw.decode("latin-1") if isinstance(raw, (bytes, bytearray)) else raw
+    if "," not in text:
+        return 1
+    count, quoted, escaped = 1, False, False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif quoted and ch == "\\":
+            escaped = True
+        elif ch == '"':
+            quoted = not quoted
+        elif ch == "," and not quoted:
+            count += 1
+    return count
+
+
+def repeated_key(settings: Settings) -> Answer:
+    """400: the request carries more than one key (the header sent twice, or one header with
+    a list of values). Nothing is claimed: which one the client meant is not for the server to
+    guess."""
+    name = settings.header_name
+    return problem(400, f"More than one {name}",
+                   f"The request carries more than one {name} value (the header repeated, or "
+                   "values separated by commas). Send exactly one key; a comma can be part of "
+                   'a key only inside a quoted sf-string ("a,b"). Nothing was done.')
+
+
+def read_key(settings: Settings, policy: Policy,
+             raw: str | bytes | Sequence[str | bytes] | None, method: str,
              path: str) -> str | Answer | None:
     """The key of a request from its header value (``raw``, None when absent; an ASGI
-    adapter passes the header's bytes as they arrived): the key, an answer (400) to send
-    instead, or None when the request is not keyed (pass it through). The rule:
+    adapter passes the header's bytes as they arrived, or the list of them when the header
+    came more than once): the key, an answer (400) to send instead, or None when the request
+    is not keyed (pass it through). The rule: exactly one value (:func:`repeated_key`: the
+    header repeated, whether the server kept the values apart or joined them with commas),
     :func:`parse_key`, then 1 to 255 characters."""
     if policy is Policy.IGNORED:
         return None
     name = settings.header_name
+    if isinstance(raw, (list, tuple)):
+        if len(raw) > 1:
+            return repeated_key(settings)
+        raw = raw[0] if raw else None
     if raw is None:
         if policy is Policy.REQUIRED:
             return problem(400, f"{name} header required",
                            f"{method} {path} requires an {name} header.")
         return None
+    assert isinstance(raw, (str, bytes))
     if isinstance(raw, bytes):
         if _PLAIN_KEY_BYTES.fullmatch(raw):
             return raw.decode("ascii")
     elif _PLAIN_KEY.fullmatch(raw):
         return raw
+    if _values(raw) > 1:
+        return repeated_key(settings)
     try:
         key = parse_key(raw)
     except ValueError as exc:
@@ -234,10 +289,12 @@ def unknown_caller() -> Answer:
 
 
 def incomplete_body() -> Answer:
-    """400: the body ended before its Content-Length (the client went away). Nothing is
-    claimed, so its retry with the whole body is the first attempt."""
+    """400: the body ended before its end (its Content-Length, or a chunked body's last
+    chunk): the client went away, or the server could not read it. Nothing is claimed, so its
+    retry with the whole body is the first attempt."""
     return problem(400, "Incomplete body",
-                   "The request body ended before its Content-Length. Nothing was done.")
+                   "The request body ended before its Content-Length or its last chunk. "
+                   "Nothing was done.")
 
 
 def chunked_without_length(transfer_encoding: str | None, content_length: str | None) -> bool:
@@ -266,25 +323,139 @@ def body_complete(content_length: str | None, body: bytes) -> bool:
         return True
 
 
+#: What :func:`read_body` asks of a stream at a time.
+READ_STEP = 65536
+
+
+class BodyReader:
+    """The body rule, the same behind every adapter and server: what a keyed request's body
+    must be before anything is fingerprinted, claimed or run. The adapter feeds it what it
+    reads (:meth:`feed`) and asks for the verdict (:meth:`finish`): the body, whole, or the
+    answer to send instead, with nothing claimed:
+
+    - a Content-Length that is not a number of bytes: 400 (nothing is read);
+    - a Content-Length over ``max_request_bytes``: 413 (nothing is read);
+    - more than ``max_request_bytes`` read (a chunked body): 413 at once, nothing more read;
+    - fewer bytes than the Content-Length, or the client gone before the last byte (a
+      disconnect, the stream ending early, a chunked body cut short: whatever the server
+      does then, raising included): 400 "Incomplete body" (:func:`incomplete_body`).
+
+    The rule holds whatever the server: some hand the app a short body and say nothing
+    (gunicorn), some raise (werkzeug), some never call the app (waitress), an ASGI server
+    sends ``http.disconnect``."""
+
+    __slots__ = ("_chunks", "_size", "answer", "expected", "limit")
+
+    def __init__(self, settings: Settings, content_length: str | int | None) -> None:
+        self.limit = settings.max_request_bytes
+        self._chunks: list[bytes] = []
+        self._size = 0
+        #: The answer to send instead of running anything (None while the body may be good).
+        self.answer: Answer | None = None
+        #: The body's length by its Content-Length (None: none was sent, e.g. chunked).
+        self.expected: int | None = None
+        if content_length is None or content_length == "":
+            return
+        text = str(content_length).strip()
+        if not text.isdigit() or not text.isascii():
+            self.answer = problem(400, "Invalid Content-Length",
+                                  "The Content-Length header is not a number of bytes. "
+                                  "Nothing was done.")
+        elif int(text) > self.limit:
+            self.answer = too_large(settings)
+        else:
+            self.expected = int(text)
+
+    def wanted(self) -> int:
+        """How many bytes to ask the stream for next: 0 once nothing more is to be read."""
+        if self.answer is not None:
+            return 0
+        if self.expected is not None:
+            return min(READ_STEP, self.expected - self._size)
+        return min(READ_STEP, self.limit + 1 - self._size)
+
+    def feed(self, chunk: bytes) -> bool:
+        """Take ``chunk``; False once the verdict is known without reading more (over the
+        limit: the rest is never read)."""
+        if self.answer is not None:
+            return False
+        self._size += len(chunk)
+        if self._size > self.limit:
+            self._chunks.clear()
+            self.answer = too_large_answer(self.limit)
+            return False
+        self._chunks.append(chunk)
+        return True
+
+    def finish(self, *, ended: bool = True) -> bytes | Answer:
+        """The verdict: the body, or the answer to send instead. ``ended=False``: the client
+        went away (or reading failed) before the body's end."""
+        if self.answer is not None:
+            return self.answer
+        if not ended or (self.expected is not None and self._size < self.expected):
+            return incomplete_body()
+        return b"".join(self._chunks)
+
+
+def read_body(settings: Settings, content_length: str | int | None,
+              read: Callable[[int], bytes], *, terminated: bool) -> bytes | Answer:
+    """The body rule (:class:`BodyReader`) over a blocking stream's ``read(n)`` (a WSGI
+    ``wsgi.input``). Without a Content-Length the body is what the stream holds up to its end
+    when the server says the stream ends there (``terminated``: ``wsgi.input_terminated``, a
+    chunked body), else empty (PEP 3333: reading past a missing Content-Length may block).
+    An exception while reading (the client went away, a chunked body cut short) is an
+    incomplete body: 400, nothing claimed."""
+    body = BodyReader(settings, content_length)
+    if body.answer is None and body.expected is None and not terminated:
+        return b""
+    try:
+        while (want := body.wanted()) > 0:
+            chunk = read(want)
+            if not chunk:
+                break
+            if not body.feed(chunk):
+                break
+    except Exception:  # noqa: BLE001 - whatever the server raises, the body is not whole
+        return body.finish(ended=False)
+    return body.finish()
+
+
+def too_large_answer(limit: int, what: str = "request body") -> Answer:
+    """:func:`too_large` for a limit of ``limit`` bytes."""
+    return problem(413, "Request too large",
+                   f"The {what} is larger than {limit} bytes, the limit of an idempotent "
+                   "request. Nothing was done.")
+
+
+#: How many times longer than the body its canonical text can be: a JSON number is the only
+#: thing that grows (``1e20``, 4 bytes, is ``100000000000000000000``, 21 characters; a number
+#: outside 1e-7 <= |n| < 1e21 keeps its exponent); strings, keys and literals never grow.
+CANONICAL_GROWTH = 6
+
+
 def request_fingerprint(settings: Settings, method: str, path: str, query: str,
                         content_type: str, body: bytes, route: Route | None = None) -> bytes:
     """The fingerprint of a request (:func:`~pg_idempotency.fingerprint.describe_request`,
-    a JSON body narrowed to the route's fields): the same bytes behind every adapter. Raises
+    a JSON body narrowed to the route's fields): the same bytes behind every adapter. The
+    body's nesting is counted from its own top level (128 levels, as the engine counts a
+    request), and the canonical text is built within :data:`CANONICAL_GROWTH` times
+    ``max_request_bytes`` plus the method, path and query. Raises
     :class:`~pg_idempotency.errors.InvalidArgument` (or RecursionError) for a body the
-    fingerprint refuses (:func:`keyed_request` answers 400 for it)."""
+    fingerprint refuses (:func:`keyed_request` answers 400 for it; 413 for
+    :class:`~pg_idempotency.errors.ArgumentTooLarge`)."""
     described = describe_request(method, path, query if settings.fingerprint_query else None,
                                  content_type, body)
     if route is not None and "json" in described:
         described["json"] = route.body_for_fingerprint(described["json"])
-    return fingerprint(described)
+    limit = CANONICAL_GROWTH * (settings.max_request_bytes + len(method) + len(path)
+                                + len(query)) + 256
+    return described_fingerprint(described, limit)
 
 
 def too_large(settings: Settings, what: str = "request body") -> Answer:
     """413: the request body is over ``max_request_bytes`` (by its Content-Length, or counted
     while reading; nothing past the limit is read). Nothing is claimed."""
-    return problem(413, "Request too large",
-                   f"The {what} is larger than {settings.max_request_bytes} bytes, the limit "
-                   "of an idempotent request. Nothing was done.")
+    return too_large_answer(settings.max_request_bytes, what)
 
 
 def content_too_long(settings: Settings, content_length: str | int | None) -> bool:
@@ -330,7 +501,13 @@ def keyed_request(settings: Settings, route: Route, caller: Any, method: str, pa
                        "255 characters without control characters.")
     try:
         digest = request_fingerprint(settings, method, path, query, content_type, body, route)
+    except ArgumentTooLarge:
+        return too_large(settings)
     except InvalidArgument as exc:
+        if exc.sqlstate == "IK014":
+            return problem(400, "Invalid request body",
+                           "The body cannot be fingerprinted: it nests arrays and objects more "
+                           "than 128 deep (the limit is 128 levels, the outermost counts).")
         return problem(400, "Invalid request body",
                        f"The body cannot be fingerprinted: {exc}.")
     except RecursionError:

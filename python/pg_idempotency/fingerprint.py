@@ -28,7 +28,8 @@ from typing import Any
 
 from .errors import InvalidArgument, invalid_argument
 
-__all__ = ["MAX_REQUEST_BYTES", "InvalidArgument", "LegacyFingerprint", "canonical_json",
+__all__ = ["MAX_CANONICAL_BYTES", "MAX_REQUEST_BYTES", "InvalidArgument", "LegacyFingerprint",
+           "canonical_json", "described_fingerprint",
            "derive_key", "describe_request", "fingerprint", "key_hash", "loads",
            "request_fingerprint"]
 
@@ -146,24 +147,56 @@ def _loads_checked(text: str | bytes) -> Any:
     return value
 
 
-def canonical_json(value: Any) -> str:
+#: The default limit of :func:`canonical_json` and :func:`fingerprint`, in bytes of canonical
+#: text: the engine's default ``settings.max_request_bytes``.
+MAX_CANONICAL_BYTES = 1048576
+
+
+def canonical_json(value: Any, *, max_bytes: int | None = MAX_CANONICAL_BYTES) -> str:
     """The canonical text of a JSON value, equal to ``idempotency.canonical_json(value)``.
 
     Object members sorted by key in code point order; plain decimal numbers without exponent or
     trailing fractional zeros; strings escaped only where JSON requires; no whitespace.
+
+    ``max_bytes`` (default :data:`MAX_CANONICAL_BYTES`, 1 MiB, the engine's default
+    ``settings.max_request_bytes``; None: no limit): a text longer than that, in UTF-8 bytes,
+    raises :class:`~pg_idempotency.errors.ArgumentTooLarge` (IK018, ``argument`` "value"),
+    checked as the text is built (after each array and object), as the SQL function does.
     """
-    return _canonical_text(value, "idempotency.canonical_json", "value")
+    fn = "idempotency.canonical_json"
+    limit = _limit(max_bytes, fn)
+    build = _Build(fn, "value", limit)
+    text = _canonical_text(value, fn, "value", build)
+    if limit is not None and len(text) * 4 > limit and len(text.encode("utf-8")) > limit:
+        raise _too_large(fn, "value", len(text.encode("utf-8")), limit)
+    return text
+
+
+def _limit(max_bytes: int | None, fn: str) -> int | None:
+    if max_bytes is None:
+        return None
+    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1:
+        raise invalid_argument(fn, "max_bytes", "IK015",
+                               "must be a whole number of bytes, at least 1")
+    return max_bytes
 
 
 def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
-                fields: Iterable[str] | None = None) -> bytes:
+                fields: Iterable[str] | None = None, *,
+                max_bytes: int | None = MAX_CANONICAL_BYTES) -> bytes:
     """sha256 (32 bytes) of the canonical request, equal to ``idempotency.fingerprint``.
 
     ``defaults`` (an object) is merged under the request first, shallowly: a top-level field
     the request omits takes its default. With ``fields``, only those top-level fields count.
     ``defaults=None`` is the SQL default (``'{}'``), ``fields=None`` the SQL ``NULL``.
+
+    ``max_bytes`` (default :data:`MAX_CANONICAL_BYTES`, 1 MiB): the canonical text of the
+    (merged) request longer than that raises
+    :class:`~pg_idempotency.errors.ArgumentTooLarge` (IK018, ``argument`` "request"), checked
+    as it is built, as :func:`canonical_json`.
     """
     fn = "idempotency.fingerprint"
+    limit = _limit(max_bytes, fn)
     if fields is not None:
         if isinstance(fields, (str, bytes)):
             raise invalid_argument(fn, "fields", "IK015",
@@ -189,9 +222,26 @@ def fingerprint(request: Any, defaults: Mapping[str, Any] | None = None,
             wanted = set(fields)
             merged = {k: v for k, v in merged.items() if k in wanted}
         request = merged
-    build = _Build(fn, "request", None)
-    data = _canonical_text(request, fn, "request", build).encode("utf-8")
-    return _fingerprint(hashlib.sha256(data).digest(), len(data), request, build)
+    return _measured(request, fn, "request", limit)
+
+
+def _measured(request: Any, fn: str, argument: str, limit: int | None, depth: int = 1) -> bytes:
+    """The fingerprint of ``request``, its canonical text built within ``limit`` bytes (IK018
+    beyond it), its outermost array or object at nesting level ``depth``."""
+    build = _Build(fn, argument, limit)
+    data = _canonical_text(request, fn, argument, build, depth).encode("utf-8")
+    if limit is not None and len(data) > limit:
+        raise _too_large(fn, argument, len(data), limit)
+    return _fingerprint(hashlib.sha256(data).digest(), len(data), request, build, depth)
+
+
+def described_fingerprint(described: Mapping[str, Any], max_bytes: int | None) -> bytes:
+    """The fingerprint of a request as :func:`describe_request` describes it (the HTTP
+    adapters'): :func:`fingerprint` of that object, the same bytes, but its ``json`` member
+    (the body the client sent) nested up to 128 deep counted from the body's own top level, as
+    the engine counts a request: the describing object around it is no level of the client's.
+    ``max_bytes``: the canonical text's limit (None: none)."""
+    return _measured(described, "idempotency.fingerprint", "request", max_bytes, 0)
 
 
 class LegacyFingerprint(bytes):
@@ -206,13 +256,13 @@ class LegacyFingerprint(bytes):
     legacy: bytes | None
 
 
-def _fingerprint(digest: bytes, size: int, request: Any, build: _Build) -> bytes:
+def _fingerprint(digest: bytes, size: int, request: Any, build: _Build, depth: int = 1) -> bytes:
     if not build.exponent_form:
         return digest
     marked = LegacyFingerprint(digest)
     marked.legacy = None
     if size + build.extra <= MAX_REQUEST_BYTES:
-        old = _canonical(request, build.fn, build.argument, 1,
+        old = _canonical(request, build.fn, build.argument, depth,
                          _Build(build.fn, build.argument, None, legacy=True))
         marked.legacy = hashlib.sha256(old.encode("utf-8")).digest()
     return marked
@@ -234,11 +284,7 @@ def request_fingerprint(request: Any, fn: str = "idempotency.claim",
     :data:`MAX_REQUEST_BYTES` (IK018: checked after each array and object as the text is
     built, and on its bytes at the end), and anything jsonb cannot hold. A request holding a
     number written with an exponent gives a :class:`LegacyFingerprint`."""
-    build = _Build(fn, argument, MAX_REQUEST_BYTES)
-    data = _canonical_text(request, fn, argument, build).encode("utf-8")
-    if len(data) > MAX_REQUEST_BYTES:
-        raise _too_large(fn, argument, len(data), MAX_REQUEST_BYTES)
-    return _fingerprint(hashlib.sha256(data).digest(), len(data), request, build)
+    return _measured(request, fn, argument, MAX_REQUEST_BYTES)
 
 
 def key_hash(scope: str, key: str) -> str:
@@ -454,7 +500,8 @@ _LOADS_NO_FLOAT = json.JSONDecoder(parse_float=_no_float).decode
 _LONG_INT = re.compile("[0-9]{22}").search
 
 
-def _canonical_text(value: Any, fn: str, argument: str, build: _Build | None = None) -> str:
+def _canonical_text(value: Any, fn: str, argument: str, build: _Build | None = None,
+                    depth: int = 1) -> str:
     """:func:`_canonical` of ``value``, by the C encoder when that provably gives the same text
     (the common case: a payment request), else by :func:`_canonical` itself, which also says
     what is wrong. The C encoder's text is _canonical's when it holds no float (a
@@ -472,13 +519,13 @@ def _canonical_text(value: Any, fn: str, argument: str, build: _Build | None = N
         return "{}"
     try:
         text = _SORTED_DUMPS(value)
-        if ("\\u0000" not in text and text.count("{") + text.count("[") <= MAX_DEPTH
+        if ("\\u0000" not in text and text.count("{") + text.count("[") <= MAX_DEPTH + 1 - depth
                 and _LONG_INT(text) is None and _LOADS_NO_FLOAT(text) == value):
             text.encode("utf-8")  # an unpaired surrogate: UnicodeEncodeError
-            return text
+            return text if build is None else build.check(text)
     except (_NotPlain, TypeError, ValueError, RecursionError):
         pass  # (UnicodeEncodeError and json's errors are ValueErrors)
-    return _canonical(value, fn, argument, 1, build)
+    return _canonical(value, fn, argument, depth, build)
 
 
 def _canonical(value: Any, fn: str, argument: str, depth: int = 1,

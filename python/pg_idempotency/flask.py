@@ -101,10 +101,6 @@ class _TooLarge(Exception):
     """The handler's answer is over max_response_bytes: roll back, release, answer 507."""
 
 
-#: What the body readers return for a request body over max_request_bytes.
-_TOO_LARGE = b"<over the limit>"
-
-
 class _Keyed:
     """What the decorator and the middleware share: claim on ``pool``, run, store."""
 
@@ -115,14 +111,12 @@ class _Keyed:
         self.refuse_foreign_commits = refuse_foreign_commits
 
     def run(self, environ: dict[str, Any], route: http.Route, caller: str | None, key: str,
-            method: str, path: str, body: bytes | None, handler: Callable[[], _Out],
+            method: str, path: str, body: bytes | Answer, handler: Callable[[], _Out],
             started: bool) -> Answer | _Out:
         if not caller:
             return http.unknown_caller()
-        if body is None:
-            return http.incomplete_body()
-        if body is _TOO_LARGE:
-            return http.too_large(self.settings)
+        if isinstance(body, Answer):  # the body rule (contract.BodyReader) refused it
+            return body
         keyed = http.keyed_request(self.settings, route, caller, method, path,
                                    environ.get("QUERY_STRING", ""),
                                    environ.get("CONTENT_TYPE", ""), body)
@@ -279,11 +273,16 @@ class Idempotency:
         return _flask_response(result) if isinstance(result, Answer) else result.original
 
 
-def _flask_body(request: flask.Request, settings: http.Settings) -> bytes:
-    """The request's body (cached for the view), or _TOO_LARGE without reading past
-    max_request_bytes (its Content-Length, or werkzeug counting a chunked body)."""
-    if http.content_too_long(settings, request.content_length):
-        return _TOO_LARGE
+def _flask_body(request: flask.Request, settings: http.Settings) -> bytes | Answer:
+    """The request's body (cached for the view, which reads it with ``request.get_data()``),
+    or the answer the body rule gives instead (contract.BodyReader), without reading past
+    max_request_bytes (its Content-Length, or werkzeug counting a chunked body). Werkzeug
+    reads the body the server hands it: under gunicorn a body cut short arrives short, with
+    no error (the server says the stream ends there), so its length is checked here; under
+    werkzeug's own server it raises; either way the body is incomplete (400)."""
+    reader = http.BodyReader(settings, request.environ.get("CONTENT_LENGTH"))
+    if reader.answer is not None:
+        return reader.answer
     limit = settings.max_request_bytes
     if request.max_content_length is None or request.max_content_length > limit:
         # one byte more than the limit is read at most: werkzeug stops a chunked body there
@@ -293,8 +292,11 @@ def _flask_body(request: flask.Request, settings: http.Settings) -> bytes:
     try:
         body = request.get_data(cache=True)
     except RequestEntityTooLarge:
-        return _TOO_LARGE
-    return _TOO_LARGE if len(body) > limit else body
+        return http.too_large(settings)
+    except Exception:  # noqa: BLE001 - the client went away, or the server could not read it
+        return reader.finish(ended=False)
+    reader.feed(body)
+    return reader.finish()
 
 
 def _flask_response(answer: Answer) -> flask.Response:
@@ -339,12 +341,15 @@ class IdempotencyMiddleware:
             if key is None:
                 return self.app(environ, start_response)
             return _start(start_response, key)
-        body = _read_body(environ, settings.max_request_bytes)
+        # The body rule (contract.read_body): the whole body, or the answer to send instead.
+        body = http.read_body(settings, environ.get("CONTENT_LENGTH"), environ["wsgi.input"].read,
+                              terminated=bool(environ.get("wsgi.input_terminated")))
+        whole = body if isinstance(body, bytes) else b""
 
         def handler() -> _Out:
             inner = dict(environ)  # with ENVIRON_KEY: the Handling is shared
-            inner["wsgi.input"] = io.BytesIO(body or b"")
-            inner["CONTENT_LENGTH"] = str(len(body or b""))
+            inner["wsgi.input"] = io.BytesIO(whole)
+            inner["CONTENT_LENGTH"] = str(len(whole))
             inner.pop("HTTP_TRANSFER_ENCODING", None)
             captured: list[Any] = []
 
@@ -377,30 +382,6 @@ class IdempotencyMiddleware:
             return _start(start_response, result)
         start_response(result.original, result.headers)
         return [result.body]
-
-
-def _read_body(environ: dict[str, Any], limit: int) -> bytes | None:
-    """The whole body; None when it ended before its Content-Length; _TOO_LARGE when it is
-    over ``limit`` bytes (by its Content-Length, or read in chunks up to limit + 1 when the
-    server terminates a chunked stream: nothing more is read)."""
-    stream = environ["wsgi.input"]
-    length = environ.get("CONTENT_LENGTH") or ""
-    if length.isdigit():
-        if int(length) > limit:
-            return _TOO_LARGE
-        body = stream.read(int(length)) if int(length) else b""
-        return body if http.body_complete(length, body) else None
-    if not environ.get("wsgi.input_terminated"):
-        return b""
-    chunks: list[bytes] = []
-    size = 0
-    while size <= limit:
-        chunk = stream.read(min(65536, limit + 1 - size))
-        if not chunk:
-            return b"".join(chunks)
-        chunks.append(chunk)
-        size += len(chunk)
-    return _TOO_LARGE
 
 
 def _start(start_response: StartResponse, answer: Answer) -> Iterator[bytes]:

@@ -1,9 +1,9 @@
 """Bounds over HTTP (issue 34), the same in every adapter, over real HTTP on real PostgreSQL:
 
 - every client mistake is a 4xx problem+json naming what was wrong: a JSON body nested deeper
-  than 128 (400), a scope from the app's callback over 255 characters (400, naming the scope),
-  a key outside RFC 8941's sf-string characters (400: ``clé``, ``ключ``, raw bytes), nothing
-  claimed for any of them;
+  than 128 (400; 128 levels of the body as sent are taken), a scope from the app's callback
+  over 255 characters (400, naming the scope), a key outside RFC 8941's sf-string characters
+  (400: ``clé``, ``ключ``, raw bytes), nothing claimed for any of them;
 - what a quoted header stores is the key ``pg-idempotency keys show`` finds;
 - a request body over ``max_request_bytes`` is 413 before any claim (by Content-Length, and
   counted while reading a chunked body); an answer over ``max_response_bytes`` is 507, not
@@ -73,6 +73,23 @@ def test_client_mistakes_are_4xx_and_claim_nothing(served: tuple[str, str, str])
                 b'"' + b"k" * 256 + b'"', b'""'):
         problem(post(base, "/pay", bad, {"intent": "k"}), 400, "printable ASCII")
     assert keys_of(dsn) == [] and ledger(dsn, "deep") == 0
+
+
+def test_nesting_counts_the_body_as_sent(served: tuple[str, str, str]) -> None:
+    """A body nested exactly 128 deep is taken (the engine's limit for a request), 129 is 400
+    naming the limit, nothing claimed for it."""
+    adapter, base, dsn = served
+    for levels in (128, 129):
+        inner: Any = 1
+        for _ in range(levels - 1):
+            inner = [inner]
+        r = post(base, "/pay", f"n{levels}", {"intent": f"n{levels}", "x": inner})
+        if levels == 128:
+            assert r.status_code == 201, r.text
+        else:
+            problem(r, 400, "128")
+    assert keys_of(dsn) == [("acct", "n128", "completed")]
+    assert (ledger(dsn, "n128"), ledger(dsn, "n129")) == (1, 0)
 
 
 def test_quoted_key_is_what_keys_show_finds(served: tuple[str, str, str]) -> None:

@@ -13,6 +13,8 @@ same way from every folder. The package's modules, by what they serve:
   worker sessions a call opens;
 - ``helpers.http``: the example payments app, uvicorn and WSGI servers, the Django example set
   up, the same HTTP app behind every adapter;
+- ``helpers.served``: every adapter under gunicorn (sync, gthread), waitress, werkzeug's server
+  and uvicorn, and a raw-socket client;
 - ``helpers.probes``: hostile session settings and the timing oracle's keys and judge;
 - ``helpers.api``: the sync/async API runner and the console script.
 """

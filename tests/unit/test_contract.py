@@ -5,6 +5,7 @@ tests/frameworks/test_http_adapters.py."""
 from __future__ import annotations
 
 import ast
+import hashlib
 import json
 import os
 import subprocess
@@ -117,10 +118,25 @@ S = Settings()
     (Policy.REQUIRED, "", 400),
     (Policy.REQUIRED, "k" * 256, 400),
     (Policy.REQUIRED, "a\x07b", 400),
+    # exactly one value: a comma outside quotes separates two (a WSGI server's join of a
+    # repeated header, or a list); inside quotes it is part of the key
+    (Policy.REQUIRED, "k1,k2", "More than one"),
+    (Policy.REQUIRED, "k1, k1", "More than one"),
+    (Policy.OPTIONAL, '"k1", "k2"', "More than one"),
+    (Policy.REQUIRED, '"a\\"b", c', "More than one"),
+    (Policy.REQUIRED, ["k1", "k2"], "More than one"),  # ASGI: every value apart
+    (Policy.REQUIRED, [b"k1", b"k1"], "More than one"),
+    (Policy.REQUIRED, [b"k1"], "k1"),
+    (Policy.REQUIRED, '"k1,k2"', "k1,k2"),
+    (Policy.REQUIRED, b'"a\\",b"', 'a",b'),
+    (Policy.REQUIRED, '"k1', 400),  # an unclosed quote is one (bad) value
 ])
-def test_read_key(policy: Policy, raw: str | None, expected: Any) -> None:
+def test_read_key(policy: Policy, raw: Any, expected: Any) -> None:
     got = http.read_key(S, policy, raw, "POST", "/payments")
-    if isinstance(expected, int):
+    if expected == "More than one":
+        assert isinstance(got, Answer) and got.status == 400
+        assert json.loads(got.body)["title"] == "More than one Idempotency-Key"
+    elif isinstance(expected, int):
         assert isinstance(got, Answer) and got.status == expected
         assert dict(got.headers)["Content-Type"] == "application/problem+json"
         problem = json.loads(got.body)
@@ -276,3 +292,91 @@ async def test_waiting_async() -> None:
 
     got = await http.aclaim_waiting(Settings(wait=1), one, sleep)
     assert isinstance(got, ClaimResult) and got.outcome is Outcome.CLAIMED and sleeps == [0.02]
+
+
+class _Stream:
+    """A WSGI input: ``parts`` one per read, then b"" (or ``error`` raised)."""
+
+    def __init__(self, *parts: bytes, error: Exception | None = None) -> None:
+        self.parts, self.error, self.calls, self.got = list(parts), error, 0, 0
+
+    def read(self, n: int) -> bytes:
+        self.calls += 1
+        if self.parts:
+            part = self.parts.pop(0)
+            assert len(part) <= n
+            self.got += len(part)
+            return part
+        if self.error is not None:
+            raise self.error
+        return b""
+
+
+SMALL = Settings(max_request_bytes=10)
+
+
+@pytest.mark.parametrize(("length", "stream", "terminated", "expected"), [
+    ("5", _Stream(b"ab", b"cde"), False, b"abcde"),
+    ("0", _Stream(b"x"), False, b""),
+    (None, _Stream(b"abc"), False, b""),  # no length, no end the server vouches for: empty
+    (None, _Stream(b"abc", b"de"), True, b"abcde"),  # chunked, ended
+    ("", _Stream(b"abc"), True, b"abc"),
+    ("10", _Stream(b"abc"), False, "Incomplete body"),  # shorter than its Content-Length
+    ("5", _Stream(b"ab", error=OSError("gone")), False, "Incomplete body"),
+    (None, _Stream(b"ab", error=ValueError("bad chunk")), True, "Incomplete body"),
+    ("11", _Stream(b"x" * 11), False, "Request too large"),  # nothing read
+    (None, _Stream(b"x" * 6, b"x" * 5, b"x"), True, "Request too large"),  # limit + 1 read
+    (None, _Stream(b"x" * 10), True, b"x" * 10),  # at the limit
+    ("-1", _Stream(b"x"), False, "Invalid Content-Length"),
+    ("1e3", _Stream(b"x"), False, "Invalid Content-Length"),
+    ("\u0661", _Stream(b"x"), False, "Invalid Content-Length"),  # a digit, not ASCII
+])
+def test_the_body_rule(length: str | None, stream: _Stream, terminated: bool,
+                       expected: bytes | str) -> None:
+    got = http.read_body(SMALL, length, stream.read, terminated=terminated)
+    if isinstance(expected, bytes):
+        assert got == expected
+    else:
+        assert isinstance(got, Answer) and got.status in (400, 413)
+        assert json.loads(got.body)["title"] == expected
+    if expected in ("Request too large", "Invalid Content-Length") and length:
+        assert stream.calls == 0
+    assert stream.got <= SMALL.max_request_bytes + 1
+
+
+def test_the_body_rule_fed_by_messages() -> None:
+    """What the ASGI adapter feeds it: chunks, then the end or a disconnect."""
+    reader = http.BodyReader(SMALL, "6")
+    assert reader.feed(b"abc") and reader.feed(b"de")
+    assert json.loads(reader.finish().body)["title"] == "Incomplete body"  # type: ignore[union-attr]
+    reader = http.BodyReader(SMALL, None)
+    assert reader.feed(b"abc")
+    assert isinstance(reader.finish(ended=False), Answer)
+    reader = http.BodyReader(SMALL, None)
+    assert reader.feed(b"x" * 10) and not reader.feed(b"x")
+    assert reader.finish().status == 413  # type: ignore[union-attr]
+
+
+def _nested(levels: int) -> bytes:
+    return b"[" * levels + b"1" + b"]" * levels
+
+
+@pytest.mark.parametrize("route", [None, http.Route("required", fingerprint_exclude=["x"])])
+def test_nesting_counts_the_body_as_sent(route: http.Route | None) -> None:
+    """128 levels of the body are taken (the engine's limit for a request), 129 refused with
+    400; the fingerprint is that of the describing object, as before."""
+    route = route or http.Route("required")
+    for levels, status in [(1, None), (127, None), (128, None), (129, 400), (300, 400)]:
+        body = b'{"a": ' + _nested(levels - 1) + b"}"
+        got = http.keyed_request(S, route, "acct", "POST", "/p", "", "application/json", body)
+        if status is None:
+            assert isinstance(got, http.Keyed), (levels, got)
+        else:
+            assert isinstance(got, Answer) and got.status == status, levels
+            assert "128" in json.loads(got.body)["detail"]
+    body = b'{"a": [1, {"b": 2.50}]}'
+    got = http.keyed_request(S, http.Route("required"), "acct", "POST", "/p", "",
+                             "application/json", body)
+    assert isinstance(got, http.Keyed)
+    assert got.fingerprint == hashlib.sha256(
+        b'{"json":{"a":[1,{"b":2.5}]},"method":"POST","path":"/p"}').digest()

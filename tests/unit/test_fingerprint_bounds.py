@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 import tracemalloc
 from decimal import Decimal
+from pathlib import Path
 
 import pytest
 
-from pg_idempotency.errors import ArgumentTooLarge
+from pg_idempotency.errors import ArgumentTooLarge, InvalidArgument
 from pg_idempotency.fingerprint import (
+    MAX_CANONICAL_BYTES,
     MAX_REQUEST_BYTES,
     LegacyFingerprint,
     _canonical,
@@ -133,3 +136,40 @@ def test_request_fingerprint_measures_the_text_while_it_builds_it() -> None:
     assert request_fingerprint(small) == hashlib.sha256(
         canonical_json(small).encode()).digest()
     assert json.loads(canonical_json(small)) == {"a": ["\n" * 1000, 1e-30]}
+
+
+def test_the_public_functions_have_a_limit() -> None:
+    """canonical_json and fingerprint refuse a canonical text over max_bytes (default 1 MiB)
+    with IK018, checked as the text is built: an inner array over the limit is refused before
+    the next is built; max_bytes=None lifts the limit; within it, the same text."""
+    assert MAX_CANONICAL_BYTES == 1048576
+    inner = ["\u0001" * 180_000, Decimal("1.5")]  # 1,080,010 bytes of text, 180,000 characters
+    for call, fn, argument in [(canonical_json, "idempotency.canonical_json", "value"),
+                               (fingerprint, "idempotency.fingerprint", "request")]:
+        with pytest.raises(ArgumentTooLarge) as caught:
+            call({"a": [inner, inner, inner]})  # type: ignore[operator]
+        error = caught.value
+        assert (error.sqlstate, error.function, error.argument) == ("IK018", fn, argument)
+        assert "is at least 1080008 bytes" in error.detail
+        with pytest.raises(ArgumentTooLarge):  # the plain path (str, list): measured too
+            call(["x" * 600] * 2000)  # type: ignore[operator]
+        with pytest.raises(ArgumentTooLarge):
+            call({"a": 1}, max_bytes=6)  # type: ignore[operator]
+        call({"a": 1}, max_bytes=7)  # type: ignore[operator]
+        with pytest.raises(InvalidArgument):
+            call({"a": 1}, max_bytes=0)  # type: ignore[operator]
+    assert len(canonical_json(["x" * 600] * 2000, max_bytes=None)) == 2000 * 603 + 1
+    assert fingerprint({"a": [inner]}, max_bytes=None) == hashlib.sha256(
+        canonical_json({"a": [inner]}, max_bytes=None).encode()).digest()
+    # UTF-8 bytes, not characters
+    assert canonical_json(["é" * 10], max_bytes=24) == '["' + "é" * 10 + '"]'
+    with pytest.raises(ArgumentTooLarge):
+        canonical_json(["é" * 10], max_bytes=23)
+
+
+def test_the_docs_example_runs() -> None:
+    """docs/fingerprint.md's example ("In Python"), run as written."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "fingerprint.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```$", text, re.M | re.S)
+    assert len(blocks) == 1
+    exec(compile(blocks[0], "docs/fingerprint.md", "exec"), {})  # noqa: S102

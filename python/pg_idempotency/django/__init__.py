@@ -227,8 +227,11 @@ def _keyed(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config
     key = http.read_key(s, route.policy, request.headers.get(s.header_name), method, path)
     if not isinstance(key, str):
         return view() if key is None else _response(key)
-    if http.content_too_long(s, request.META.get("CONTENT_LENGTH")):
-        return _response(http.too_large(s))  # before Django reads the body
+    # The body rule (contract.BodyReader): a Content-Length that is not a number (400) or over
+    # the limit (413) is answered before Django reads the body.
+    reader = http.BodyReader(s, request.META.get("CONTENT_LENGTH"))
+    if reader.answer is not None:
+        return _response(reader.answer)
     if http.chunked_without_length(request.META.get("HTTP_TRANSFER_ENCODING"),
                                    request.META.get("CONTENT_LENGTH")):
         # Django reads a body by its Content-Length only: this one would be fingerprinted
@@ -237,9 +240,15 @@ def _keyed(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Config
     caller = conf.scope(request)
     if not caller:
         return _response(http.unknown_caller())
-    body = request.body
-    if not http.body_complete(request.META.get("CONTENT_LENGTH"), body):
-        return _response(http.incomplete_body())
+    try:
+        # Django reads up to the Content-Length: under gunicorn a body cut short arrives
+        # short, with no error; a read that fails is UnreadablePostError (an OSError).
+        reader.feed(request.body)
+        body = reader.finish()
+    except OSError:
+        body = reader.finish(ended=False)
+    if isinstance(body, Answer):
+        return _response(body)
     keyed = http.keyed_request(s, route, caller, method, path,
                                request.META.get("QUERY_STRING", ""),
                                request.META.get("CONTENT_TYPE", ""), body)
