@@ -96,3 +96,27 @@ def test_a_repeated_key_is_400_and_claims_nothing(served: tuple[str, str, str]) 
                    timeout=WAIT_BOUND)
     assert r.status_code == 201, r.text
     assert rows(dsn, adapter, "r1,r2", "q") == (1, 1, 1)
+
+
+#: Mistakes the server lets through to the app (docs/http.md, "What the server answers before
+#: the adapter"), with what every adapter answers for them.
+THROUGH = [("werkzeug", "Content-Length: abc\r\n", b"", "Invalid Content-Length"),
+           ("werkzeug", "Content-Length: -1\r\n", b"", "Invalid Content-Length"),
+           ("gunicorn-sync", "Transfer-Encoding: chunked\r\n", b"zz\r\nab\r\n0\r\n\r\n",
+            "Incomplete body")]
+
+
+@pytest.mark.parametrize(("http_server", "adapter"), [(s, a) for s, a in MATRIX if s in
+                                                      ("werkzeug", "gunicorn-sync")])
+def test_what_the_server_lets_through_is_problem_json(http_server: str, adapter: str,
+                                                      db: str) -> None:
+    with serve(http_server, db) as base:
+        for i, (run, header, body, title) in enumerate(THROUGH):
+            if run != http_server:
+                continue
+            answer = raw_exchange(base, headers_block(f"/{adapter}/pay", f"t{i}", header) + body)
+            if adapter.startswith("django") and "chunked" in header:
+                title = "Length Required"  # Django reads no chunked body (docs/django.md)
+            assert b"application/problem+json" in answer, answer[:300]
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["title"] == title, answer
+            assert rows(db, adapter, f"t{i}", "") == (0, 0, 0)

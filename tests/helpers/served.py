@@ -312,3 +312,58 @@ def rows(dsn: str, adapter: str, key: str, intent: str) -> tuple[int, int, int]:
                              (intent,)).fetchone()[0],
                 conn.execute("SELECT count(*) FROM calls WHERE adapter = %s",  # type: ignore[index]
                              (adapter,)).fetchone()[0])
+
+
+# -- a bare app: what a server answers before any app runs ------------------------------------
+
+def plain_wsgi(environ: dict[str, Any], start_response: Any) -> Any:
+    """Answers 200 "app ran" without reading the body: the request reached the app."""
+    start_response("200 OK", [("Content-Type", "text/plain"), ("Content-Length", "7")])
+    return [b"app ran"]
+
+
+async def plain_asgi(scope: Any, receive: Any, send: Any) -> None:
+    if scope["type"] != "http":
+        return
+    await send({"type": "http.response.start", "status": 200,
+                "headers": [(b"content-type", b"text/plain"), (b"content-length", b"7")]})
+    await send({"type": "http.response.body", "body": b"app ran"})
+
+
+@contextmanager
+def serve_plain(server: str) -> Iterator[str]:
+    """:func:`plain_wsgi` (or :func:`plain_asgi` for uvicorn) under ``server``, with each
+    server's default limits."""
+    if server.startswith("gunicorn-"):
+        with gunicorn("", server.removeprefix("gunicorn-"), "helpers.served:plain_wsgi") as (
+                base, _):
+            yield base
+    elif server == "uvicorn":
+        with uvicorn_server(plain_asgi) as base:
+            yield base
+    elif server == "waitress":
+        with waitress_server(plain_wsgi) as base:
+            yield base
+    else:
+        with wsgi_server(plain_wsgi) as base:
+            yield base
+
+
+def sent_in_parts(base: str, parts: list[bytes], pause: float = 0.3) -> bytes:
+    """Send ``parts`` with a pause between them (a header still arriving), then read the
+    answer until the server closes."""
+    host, port = base.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=WAIT_BOUND) as sock:
+        try:
+            for part in parts:
+                sock.sendall(part)
+                time.sleep(pause)
+        except OSError:
+            pass  # the server answered and closed before the rest: read its answer
+        chunks = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+        except OSError:
+            pass
+    return b"".join(chunks)
