@@ -1,5 +1,6 @@
 """Every adapter under every server a user would run it under (gunicorn's sync and gthread
-workers, waitress, werkzeug's server for the WSGI ones; uvicorn for ASGI), over raw sockets:
+workers, waitress, werkzeug's server for the WSGI ones; uvicorn for the ASGI middleware, and for
+Django's through Django's ASGI handler), over raw sockets:
 
 - the body rule (contract.BodyReader): a body shorter than its Content-Length, or a chunked body
   cut short, the client gone, is never fingerprinted, claimed or executed: no key row, no ledger

@@ -6,7 +6,8 @@ what tests/frameworks/test_http_servers.py runs its cases against.
   ``/django-mw/pay``), served by gunicorn (sync and gthread workers, in a process of its own:
   ``helpers.served:wsgi_app()``, the database in ``PGIDEM_TEST_DSN``), waitress and werkzeug's
   server (what ``flask run`` runs), in a thread;
-- ASGI (the middleware, ``/asgi/pay``) served by uvicorn, in a thread.
+- ASGI (the middleware, ``/asgi/pay``), and Django's decorator and middleware through Django's
+  ASGI handler, served by uvicorn, in a thread.
 
 Every handler first writes a row to ``calls`` on a connection of its own (so it stays whatever
 happens to the request's transaction: the proof that the handler ran), then its ledger row on
@@ -54,7 +55,7 @@ WSGI_ADAPTERS = ["flask", "wsgi", "django", "django-mw"]
 WSGI_SERVERS = ["gunicorn-sync", "gunicorn-gthread", "waitress", "werkzeug"]
 #: Each adapter with the servers it runs under.
 MATRIX = [(server, adapter) for server in WSGI_SERVERS for adapter in WSGI_ADAPTERS] + [
-    ("uvicorn", "asgi")]
+    ("uvicorn", "asgi"), ("uvicorn", "django"), ("uvicorn", "django-mw")]
 TABLES = ("CREATE TABLE IF NOT EXISTS ledger (intent text NOT NULL);"
           "CREATE TABLE IF NOT EXISTS calls (adapter text NOT NULL, size int NOT NULL)")
 #: The limit of every adapter here (the default: 1 MiB).
@@ -112,8 +113,8 @@ _URLS.urlpatterns = [  # type: ignore[attr-defined]
 sys.modules[_URLS.__name__] = _URLS
 
 
-def _django(dsn: str, stack: ExitStack) -> Any:
-    from django.core.wsgi import get_wsgi_application
+def _django(dsn: str, stack: ExitStack) -> None:
+    """Django's settings for the two Django routes, on ``dsn``, until ``stack`` closes."""
     from django.test import override_settings
 
     _django_dsn[0] = dsn
@@ -124,7 +125,6 @@ def _django(dsn: str, stack: ExitStack) -> Any:
         MIDDLEWARE=["pg_idempotency.django.IdempotencyMiddleware"],
         PG_IDEMPOTENCY={"SCOPE": lambda r: "acct",
                         "ROUTES": {"POST /django-mw/pay": "required"}}))
-    return get_wsgi_application()
 
 
 def wsgi_app(dsn: str | None = None, stack: ExitStack | None = None) -> Any:
@@ -134,8 +134,10 @@ def wsgi_app(dsn: str | None = None, stack: ExitStack | None = None) -> Any:
     dsn = dsn or os.environ["PGIDEM_TEST_DSN"]
     stack = stack if stack is not None else ExitStack()
     pool = stack.enter_context(ConnectionPool(dsn, min_size=1, max_size=8, open=True))
+    from django.core.wsgi import get_wsgi_application
+    _django(dsn, stack)
     apps = {"flask": _flask(dsn, pool, False), "wsgi": _flask(dsn, pool, True),
-            "django": _django(dsn, stack)}
+            "django": get_wsgi_application()}
     apps["django-mw"] = apps["django"]
 
     def app(environ: dict[str, Any], start_response: Any) -> Any:
@@ -161,8 +163,18 @@ def asgi_app(dsn: str) -> Any:
         return Response(_answer(intent), status_code=201, media_type="application/json")
 
     inner = Starlette(routes=[StarletteRoute("/asgi/pay", pay, methods=["POST"])])
-    return with_pool_lifespan(pool, pg_asgi.IdempotencyMiddleware(
-        inner, pool=pool, scope=lambda r: "acct", routes={"POST /asgi/pay": "required"}))
+    keyed = pg_asgi.IdempotencyMiddleware(inner, pool=pool, scope=lambda r: "acct",
+                                          routes={"POST /asgi/pay": "required"})
+    from django.core.asgi import get_asgi_application
+    django_app = get_asgi_application()  # Django's settings: _django(), by serve()
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/django"):
+            await django_app(scope, receive, send)
+        else:
+            await keyed(scope, receive, send)
+
+    return with_pool_lifespan(pool, app)
 
 
 # -- servers -----------------------------------------------------------------------------------
@@ -258,8 +270,10 @@ def serve(server: str, dsn: str) -> Iterator[str]:
         with gunicorn(dsn, server.removeprefix("gunicorn-")) as (base, _):
             yield base
     elif server == "uvicorn":
-        with uvicorn_server(asgi_app(dsn)) as base:
-            yield base
+        with ExitStack() as stack:
+            _django(dsn, stack)
+            with uvicorn_server(asgi_app(dsn)) as base:
+                yield base
     else:
         with ExitStack() as stack:
             app = wsgi_app(dsn, stack)
