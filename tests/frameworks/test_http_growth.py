@@ -183,10 +183,11 @@ def test_gunicorn_answers_the_largest_growth_body_and_others_meanwhile(db: str,
                 ordinary: dict[str, float] = {}
 
                 def send_ordinary(name: str = f"o{adapter}{name}",
+                                  url: str = f"{base}/{adapter}/pay",
                                   ordinary: dict[str, float] = ordinary) -> None:
                     time.sleep(0.05)  # while the large one is being read and fingerprinted
                     started = time.monotonic()
-                    r = httpx.post(f"{base}/{adapter}/pay",
+                    r = httpx.post(url,
                                    headers={**headers, "Idempotency-Key": name},
                                    content=json.dumps({"intent": name, "amount": 5}),
                                    timeout=WAIT_BOUND)
