@@ -18,7 +18,9 @@ answers, the response (status, exact body bytes, content type, and the headers n
 writes, committed, and only then sent. Answers of its own:
 
 - 400 ``application/problem+json``: the route requires a key and none was sent, or the key is
-  not one (an RFC 8941 sf-string of printable ASCII, 1 to 255 characters), or the ``scope``
+  not one (an RFC 8941 sf-string of printable ASCII, 1 to 255 characters), or the header came
+  more than once (or with a list of values), or the body is shorter than its Content-Length,
+  or the ``scope``
   callback's scope is not valid (over 255 characters, control characters), or the body cannot
   be fingerprinted (JSON nested deeper than 128);
 - 413 when the body is over ``max_request_bytes`` (nothing past it is read, nothing claimed);

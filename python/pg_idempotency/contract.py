@@ -9,13 +9,18 @@ their framework's transaction. docs/http.md states the same contract in prose:
 - which routes are keyed, and how (:class:`Routes`, :class:`Route`, :class:`Policy`): only the
   listed ones by default; per route, the body fields the fingerprint covers and the lease;
 - the key (:func:`read_key`): an RFC 8941 sf-string of printable ASCII, 400 when missing on a
-  required route or invalid;
+  required route or invalid, and when the request carries more than one (:func:`repeated_key`:
+  the header repeated, whether the server kept the values apart or joined them with commas);
+- the body (:class:`BodyReader`, :func:`read_body`): read whole before anything is
+  fingerprinted, claimed or run; 400 when it ends before its Content-Length or last chunk (the
+  client gone, whatever the server does then), 400 for a Content-Length that is not a number;
 - the limits (:func:`too_large`, :func:`response_too_large`): 413 for a request body over
   ``max_request_bytes`` before any claim; 507 for an answer over ``max_response_bytes``, never
   stored (the handler's writes roll back, the key is released); 411 (:func:`length_required`)
   for a chunked body where the framework reads none (Django), before any claim;
 - the request (:func:`keyed_request`): the caller's scope checked (400 naming it) and the
-  fingerprint (400 for a body the fingerprint refuses, e.g. nested deeper than 128);
+  fingerprint (400 for a body the fingerprint refuses, e.g. nested deeper than 128 levels of its
+  own);
 - what the fingerprint covers (:func:`request_fingerprint`): method, path, body (a JSON body by
   its canonical form), the query string only when asked (``fingerprint_query``);
 - the answer to a claim (:func:`claim_answer`): run the handler, replay the stored response
