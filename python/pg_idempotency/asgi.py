@@ -73,6 +73,7 @@ defaults: docs/python.md; the contract, the same behind every adapter
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
@@ -248,9 +249,14 @@ class IdempotencyMiddleware:
         if isinstance(body, Answer):
             await _send(send, body)
             return
-        keyed = http.keyed_request(
-            self.settings, route, caller, method, path, _ascii(scope.get("query_string")),
-            _ascii(headers.get(b"content-type")), body)
+        fingerprinting = functools.partial(
+            http.keyed_request, self.settings, route, caller, method, path,
+            _ascii(scope.get("query_string")), _ascii(headers.get(b"content-type")), body)
+        # A large body is parsed and canonicalized in a worker thread, so that the event loop
+        # goes on serving other requests meanwhile (up to a second or two of CPU for 1 MiB of
+        # JSON numbers); a small one here, where a thread would cost more than it saves.
+        keyed = (await anyio.to_thread.run_sync(fingerprinting)
+                 if len(body) > _THREADED_BODY else fingerprinting())
         if isinstance(keyed, Answer):
             await _send(send, keyed)
             return
@@ -432,6 +438,10 @@ class _Held:
             if self._slot:
                 self._slot = False
                 self._slots.release()
+
+
+#: Bodies longer than this (bytes) are fingerprinted in a worker thread.
+_THREADED_BODY = 65536
 
 
 def _ascii(value: bytes | None) -> str:
