@@ -98,3 +98,28 @@ def test_each_mistake_is_answered_as_documented(plain: tuple[str, str]) -> None:
     want = {name: re.sub(r"[`*]", "", table[name][server]).split(" (")[0].split(";")[0]
             for name in MISTAKES}
     assert got == want
+
+
+#: The settings docs/http.md names, raised: each mistake it names then reaches the app.
+RAISED = [
+    ("gunicorn-sync", ["--limit-request-line", "8190", "--limit-request-fields", "200",
+                       "--limit-request-field_size", "16380"],
+     ["a request line of 4,100 bytes", "101 header fields", "a header field of 8,200 bytes"]),
+    ("uvicorn", {"h11_max_incomplete_event_size": 65536},
+     ["a header block of 20 KB still arriving"]),
+    ("waitress", {"max_request_header_size": 1048576},
+     ["a header block of 320 KB (fields of 8,000 bytes)"]),
+]
+
+
+@pytest.mark.parametrize(("run", "options", "mistakes"), RAISED, ids=[r for r, _, _ in RAISED])
+def test_the_documented_settings_move_the_limits(run: str, options: object,
+                                                 mistakes: list[str]) -> None:
+    column = run.split("-")[0]
+    table = documented()
+    with serve_plain(run, options) as base:
+        for name in mistakes:
+            assert table[name][column] != "the app", name  # refused with the defaults
+            parts = MISTAKES[name]
+            assert observed(sent_in_parts(base, parts, 0.3 if len(parts) > 1 else 0)) == \
+                "the app", name

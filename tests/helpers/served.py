@@ -249,9 +249,9 @@ def vm_hwm_kb(pid: int) -> int:
 
 
 @contextmanager
-def waitress_server(app: Any) -> Iterator[str]:
+def waitress_server(app: Any, **options: Any) -> Iterator[str]:
     from waitress.server import create_server
-    server = create_server(app, host="127.0.0.1", port=0, threads=4)
+    server = create_server(app, host="127.0.0.1", port=0, threads=4, **options)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     try:
@@ -345,18 +345,36 @@ async def plain_asgi(scope: Any, receive: Any, send: Any) -> None:
 
 
 @contextmanager
-def serve_plain(server: str) -> Iterator[str]:
+def _uvicorn_with(app: Any, **options: Any) -> Iterator[str]:
+    """uvicorn serving ``app`` in a thread with ``options`` (uvicorn.Config's)."""
+    import uvicorn
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port,
+                                           log_level="warning", lifespan="off", **options))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    wait_until(lambda: server.started or not thread.is_alive(), "uvicorn to start")
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(WAIT_BOUND)
+
+
+@contextmanager
+def serve_plain(server: str, options: Any = None) -> Iterator[str]:
     """:func:`plain_wsgi` (or :func:`plain_asgi` for uvicorn) under ``server``, with each
-    server's default limits."""
+    server's default limits, or ``options``: gunicorn's command-line options (a list), or
+    keyword arguments of waitress's ``create_server`` or ``uvicorn.Config`` (a dict)."""
     if server.startswith("gunicorn-"):
-        with gunicorn("", server.removeprefix("gunicorn-"), "helpers.served:plain_wsgi") as (
-                base, _):
+        with gunicorn("", server.removeprefix("gunicorn-"), "helpers.served:plain_wsgi",
+                      *(options or [])) as (base, _):
             yield base
     elif server == "uvicorn":
-        with uvicorn_server(plain_asgi) as base:
+        with _uvicorn_with(plain_asgi, **(options or {})) as base:
             yield base
     elif server == "waitress":
-        with waitress_server(plain_wsgi) as base:
+        with waitress_server(plain_wsgi, **(options or {})) as base:
             yield base
     else:
         with wsgi_server(plain_wsgi) as base:
