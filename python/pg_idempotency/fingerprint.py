@@ -458,7 +458,7 @@ class _Build:
 
 
 def _too_large(fn: str, argument: str, size: int, limit: int, at_least: str = "") -> Exception:
-    # The server's words (idempotency._check_canonical_size): the canonical text the
+    # The server's words (idempotency._check_size with canonical => true): the canonical text the
     # fingerprint hashes, measured as it is built.
     error = invalid_argument(fn, argument, "IK018", "is too large")
     error.detail = (f"Its canonical JSON (docs/fingerprint.md) is {at_least}{size} bytes; the "
