@@ -40,6 +40,10 @@ $guard$;
 -- - maintain() measures what drops or expires from now() when reference_time is later, and
 --   records that time in maintenance_runs.reference_time; partitions are still made ahead of
 --   reference_time.
+-- - A fourth kind of role, grant_usage(kind => 'maintainer'), for schedulers: maintain() at
+--   the clock, schedule_maintenance, unschedule_maintenance and the status reads. maintain(),
+--   key_status() and partition_status() become SECURITY DEFINER for it (CREATE OR REPLACE
+--   keeps their grants).
 -- No table changes; no data moves.
 
 DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
@@ -1239,10 +1243,17 @@ idempotency.maintenance_runs. See docs/maintenance.md.';
 -- The run's row records the time its drops were measured from: reference_time, or now() when
 -- reference_time is later (a future reference_time never drops a key younger than the
 -- retention; see _maintain).
+--
+-- SECURITY DEFINER so that a scheduler need not be the owner: grant_usage(kind =>
+-- 'maintainer') lets a role run it, and run nothing else that writes. Such a role runs it at
+-- the clock only: a past reference_time writes tombstones that expire early and records a
+-- false time in maintenance_runs, so any reference_time but now() (the default) is the owner's
+-- test clock (_test_clock, IK017).
 CREATE OR REPLACE FUNCTION idempotency.maintain(reference_time timestamptz DEFAULT now())
 RETURNS SETOF idempotency.maintenance_action
 LANGUAGE plpgsql
 VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -1257,6 +1268,9 @@ DECLARE
     v_id bigint;
 BEGIN
     PERFORM idempotency._require_coordinator('idempotency.maintain');
+    IF maintain.reference_time <> now() THEN
+        PERFORM idempotency._test_clock('idempotency.maintain', maintain.reference_time);
+    END IF;
     FOR v_step IN SELECT * FROM idempotency._maintain(maintain.reference_time) LOOP
         CASE v_step.action
             WHEN 'created' THEN
@@ -1297,9 +1311,313 @@ COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
 goes: write tombstones (opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
-Returns what it did and records the run in idempotency.maintenance_runs. See
-docs/maintenance.md.';
+Returns what it did and records the run in idempotency.maintenance_runs. Security definer: a
+maintainer role (grant_usage) runs it, at the clock only (reference_time other than now():
+IK017 unless the caller is the schema owner). See docs/maintenance.md.';
 
+-- sql/functions/key_status.sql
+-- Observability, for operators (pg-idempotency status): keys by scope and state, the oldest key
+-- in progress, expired leases nobody has taken over yet, live tombstones. It reads every row,
+-- so run it on demand, not on every scrape of a busy system.
+CREATE OR REPLACE FUNCTION idempotency.key_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.key_status
+-- PL/pgSQL, not SQL: Citus cannot plan a SQL function's parameterised query (its planner sees
+-- the parameters unresolved).
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for maintainer roles without table privileges (grant_usage 'maintainer')
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(key_status.reference_time, clock_timestamp());
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.key_status');
+    IF key_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.key_status', 'reference_time',
+                                        key_status.reference_time);
+    END IF;
+    -- The ORDER BY names the columns of an outer query: over a UNION ALL of two distributed
+    -- tables, Citus 14 returned positional ORDER BY 1, 2 unsorted.
+    RETURN QUERY
+    SELECT s.* FROM (
+    SELECT k.scope,
+           k.state,
+           count(*),
+           min(k.created_at),
+           (array_agg(k.key ORDER BY k.created_at) FILTER (WHERE k.state = 'in_progress'))[1],
+           count(*) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           ),
+           min(k.lease_expires_at) FILTER (
+               WHERE k.state = 'in_progress'
+                 AND k.lease_expires_at <= v_now
+           )
+    FROM idempotency.keys AS k
+    GROUP BY k.scope, k.state
+    UNION ALL
+    SELECT t.scope, 'tombstone', count(*), min(t.created_at), NULL, NULL, NULL
+    FROM idempotency.tombstones AS t
+    WHERE t.expires_at > v_now
+    GROUP BY t.scope
+    ) AS s (scope, state, keys, oldest_created_at, oldest_key, expired_leases,
+            oldest_expired_lease)
+    ORDER BY s.scope, s.state;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.key_status(timestamptz) IS
+'Keys per scope and state (in_progress, completed, released, tombstone): count, oldest, the
+oldest key in progress, expired leases waiting for takeover. Reads every row.';
+
+-- sql/functions/partition_status.sql
+-- Observability, for operators (pg-idempotency status): every partition of keys, inbox and
+-- tombstones with its rows, its size, and when maintain() will drop it.
+-- Counts rows exactly, partition by partition, so it reads every row too.
+CREATE OR REPLACE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT NULL)
+RETURNS SETOF idempotency.partition_status
+LANGUAGE plpgsql
+VOLATILE
+SECURITY DEFINER  -- for maintainer roles without table privileges (grant_usage 'maintainer')
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    v_now timestamptz := coalesce(partition_status.reference_time, clock_timestamp());
+    v_settings idempotency.settings;
+    v_parent text;
+    v_newest timestamptz;
+    v_keep_from timestamptz;
+    v_window interval;
+    v_part record;
+    v_row idempotency.partition_status;
+BEGIN
+    PERFORM idempotency._require_coordinator('idempotency.partition_status');
+    IF partition_status.reference_time IS NOT NULL THEN
+        PERFORM idempotency._check_time('idempotency.partition_status', 'reference_time',
+                                        partition_status.reference_time);
+    END IF;
+    SELECT s.* INTO v_settings FROM idempotency.settings AS s;
+    IF NOT FOUND THEN
+        -- Before the first _premake() or maintain(): the defaults apply.
+        v_settings := ROW(true, interval '1 day', interval '24 hours', 3, false,
+                          interval '30 days', true, interval '200 milliseconds', 1048576,
+                          1048576, 16384);
+    END IF;
+    FOREACH v_parent IN ARRAY ARRAY['keys', 'inbox', 'tombstones'] LOOP
+        v_window := CASE v_parent WHEN 'tombstones' THEN v_settings.tombstone_retention
+                                  ELSE v_settings.retention END;
+        SELECT max(p.upper_bound) INTO v_newest
+        FROM idempotency._partitions(v_parent) AS p WHERE NOT p.is_default;
+        v_keep_from := NULL;
+        IF v_parent = 'tombstones' OR v_settings.manage_partitions THEN
+            v_keep_from := idempotency._keep_from(v_parent, v_settings.partition_interval);
+        END IF;
+        FOR v_part IN
+            SELECT p.* FROM idempotency._partitions(v_parent) AS p
+        LOOP
+            v_row := ROW(v_parent, v_part.partition_name, v_part.lower_bound,
+                         v_part.upper_bound, NULL::bigint, NULL::bigint, NULL::timestamptz,
+                         NULL::text);
+            EXECUTE format('SELECT count(*) FROM idempotency.%I', v_part.partition_name)
+            INTO v_row.row_count;
+            v_row.total_bytes :=
+                pg_total_relation_size(format('idempotency.%I', v_part.partition_name));
+            IF v_part.is_default THEN
+                v_row.note := 'default';
+            ELSIF v_parent IN ('keys', 'inbox') AND NOT v_settings.manage_partitions THEN
+                v_row.note := 'managed elsewhere';
+            ELSIF v_part.upper_bound = v_newest THEN
+                v_row.note := 'newest';
+            ELSIF v_part.upper_bound + v_window <= v_now
+                  AND v_part.upper_bound > coalesce(v_keep_from, 'infinity') THEN
+                -- Past its window, but maintain() keeps it: it holds the newest rows, or comes
+                -- after the partition that does (_keep_from). It goes once newer rows exist.
+                v_row.note := 'kept';
+            ELSE
+                v_row.drop_after := v_part.upper_bound + v_window;
+                v_row.note := CASE
+                    WHEN v_row.drop_after <= v_now THEN 'due'
+                    WHEN v_part.lower_bound > v_now THEN 'ahead'
+                    WHEN v_part.upper_bound > v_now THEN 'current'
+                    ELSE 'retained' END;
+            END IF;
+            RETURN NEXT v_row;
+        END LOOP;
+    END LOOP;
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.partition_status(timestamptz) IS
+'Every partition of keys, inbox and tombstones: bounds, exact row count, total
+size, drop_after (when maintain() will drop it; NULL for the default and the newest
+partition, and for one it keeps past its retention because it holds the newest rows or comes
+after the one that does) and a note (default, newest, kept, ahead, current, retained, due,
+managed elsewhere).';
+
+-- sql/functions/grant_usage.sql
+-- The least-privilege setup for the two kinds of application role. Neither gets any privilege
+-- on the tables, the sequence or the internal functions: they call public functions that run
+-- as their owner. Run by the owner of the schema (the installer).
+--
+-- kind 'request' is for request handlers: claim and the fenced calls a handler makes with the
+-- lease token its own claim returned. Every read it can make is of a key it presents with its
+-- request (claim compares the request's fingerprint before it returns a stored response), so
+-- it cannot read another scope's stored response through any function.
+-- kind 'completer' is for background completers (python/pg_idempotency/jobs.py's worker, or
+-- any language's): takeover and list_abandoned, which act on a key without its request, plus
+-- the fenced calls that finish the work. A takeover returns a completed key's stored response
+-- without the request, so a completer is trusted with every scope it may act on: scopes =>
+-- ARRAY[...] limits it to those (takeover and list_abandoned raise IK023 for any other, and
+-- list_abandoned without a scope lists only those; see _completer_scopes); NULL, the default,
+-- is every scope. The fenced calls are not checked: they need the lease token, which such a
+-- role gets only from a takeover in its scopes (docs/design.md, "Completer scopes").
+-- kind 'monitor' is for scrapers (the Prometheus postgres exporter): metrics() and
+-- metrics_by_scope() only, which read counts, ages and sizes, never a key or a response.
+-- kind 'maintainer' is for schedulers (pg_cron, cron, a Kubernetes CronJob), so that none of
+-- them holds the owner's password: maintain() at the clock (a reference_time other than now()
+-- is the owner's test clock, IK017; see maintain), schedule_maintenance and
+-- unschedule_maintenance (run as the caller, so that the pg_cron job runs as the maintainer;
+-- hence also the three checks they call, which only raise), and the status reads: key_status,
+-- partition_status, metrics, metrics_by_scope, and SELECT on maintenance_runs and migrations
+-- (what pg-idempotency status and maintain read). It reads key names and counts, never a
+-- request or a response, and writes nothing but what maintain() does.
+-- A role may be granted several kinds. Grants add up, and each is recorded in
+-- idempotency.grants, so every later migration grants the role what its kind has then
+-- (idempotency._reapply_grants). A completer's scopes add up the same way (NULL, every scope,
+-- absorbs any list); to narrow them, delete the row and grant again. To take a kind away,
+-- delete its row and REVOKE EXECUTE (docs/install.md, Privileges).
+CREATE OR REPLACE FUNCTION idempotency.grant_usage(
+    grantee regrole,
+    kind text DEFAULT 'request',
+    scopes text[] DEFAULT NULL
+)
+RETURNS void
+LANGUAGE plpgsql
+VOLATILE
+SET search_path = pg_catalog, pg_temp
+AS $$
+DECLARE
+    -- What both kinds call with the token they hold, and the pure helpers.
+    v_common text := 'idempotency.checkpoint(text, text, bigint, text, interval, timestamptz), '
+        || 'idempotency.heartbeat(text, text, bigint, interval, timestamptz), '
+        || 'idempotency.complete(text, text, bigint, integer, jsonb, jsonb, timestamptz), '
+        || 'idempotency.complete_bytes(text, text, bigint, integer, bytea, text, jsonb, '
+        || 'timestamptz), '
+        || 'idempotency.accept(text, text, bigint, integer, jsonb, jsonb, interval, '
+        || 'timestamptz), '
+        || 'idempotency.release(text, text, bigint), '
+        || 'idempotency.heartbeat_outcome(text, text, bigint, interval, timestamptz), '
+        || 'idempotency.checkpoint_outcome(text, text, bigint, text, interval, '
+        || 'timestamptz), '
+        || 'idempotency.release_outcome(text, text, bigint), '
+        || 'idempotency.fingerprint(jsonb, jsonb, text[]), '
+        || 'idempotency.canonical_json(jsonb), '
+        || 'idempotency.derive_key(text, text, text)';
+    v_scope text;
+BEGIN
+    -- On a worker Citus refuses the GRANTs (XX000 "operation is not allowed on this node").
+    PERFORM idempotency._require_coordinator(
+        'idempotency.grant_usage',
+        'Grants are recorded in idempotency.grants, which the coordinator holds, and Citus '
+        'propagates GRANTs to the other nodes from the coordinator only.');
+    IF grant_usage.grantee IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'grantee', 'IK010',
+                                              'must not be NULL');
+    ELSIF grant_usage.kind IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'kind', 'IK010',
+                                              'must not be NULL');
+    ELSIF grant_usage.kind NOT IN ('request', 'completer', 'monitor', 'maintainer') THEN
+        PERFORM idempotency._invalid_argument(
+            'idempotency.grant_usage', 'kind', 'IK014',
+            'must be ''request'', ''completer'', ''monitor'' or ''maintainer''',
+            format('It is %s.', to_json(grant_usage.kind)));
+    END IF;
+    IF grant_usage.scopes IS NOT NULL THEN
+        IF grant_usage.kind <> 'completer' THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK016',
+                'applies to kind ''completer'' only',
+                format('kind is %s; a request role claims in any scope its caller names.',
+                       to_json(grant_usage.kind)));
+        ELSIF array_ndims(grant_usage.scopes) IS DISTINCT FROM 1
+              OR cardinality(grant_usage.scopes) > 10000 THEN
+            PERFORM idempotency._invalid_argument(
+                'idempotency.grant_usage', 'scopes', 'IK014',
+                'must be a one-dimensional array of 1 to 10000 scopes, or NULL for every scope',
+                format('It has %s elements in %s dimensions.',
+                       cardinality(grant_usage.scopes),
+                       coalesce(array_ndims(grant_usage.scopes), 0)));
+        END IF;
+        FOREACH v_scope IN ARRAY grant_usage.scopes LOOP
+            IF v_scope IS NULL THEN
+                PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'scopes',
+                                                      'IK010', 'must not contain NULL');
+            END IF;
+            PERFORM idempotency._check_name('idempotency.grant_usage', 'scopes', v_scope);
+        END LOOP;
+    END IF;
+    EXECUTE format('GRANT USAGE ON SCHEMA idempotency TO %s', grant_usage.grantee);
+    -- Grants add up: a second list joins the first; NULL (every scope) wins over any list.
+    -- The trigger on grants mirrors the completer rows into completer_grants.
+    INSERT INTO idempotency.grants AS g (grantee, kind, scopes)
+    VALUES (grant_usage.grantee, grant_usage.kind,
+            (SELECT array_agg(DISTINCT s ORDER BY s) FROM unnest(grant_usage.scopes) AS s))
+    ON CONFLICT ON CONSTRAINT grants_pkey DO UPDATE
+    SET scopes = CASE WHEN g.scopes IS NULL OR excluded.scopes IS NULL THEN NULL
+                      ELSE (SELECT array_agg(DISTINCT s ORDER BY s)
+                            FROM unnest(g.scopes || excluded.scopes) AS s) END;
+    IF grant_usage.kind = 'monitor' THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.metrics(timestamptz, boolean), '
+                       || 'idempotency.metrics_by_scope(timestamptz) TO %s',
+                       grant_usage.grantee);
+        RETURN;
+    END IF;
+    IF grant_usage.kind = 'maintainer' THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.maintain(timestamptz), '
+                       || 'idempotency.schedule_maintenance(text), '
+                       || 'idempotency.unschedule_maintenance(), '
+                       || 'idempotency.key_status(timestamptz), '
+                       || 'idempotency.partition_status(timestamptz), '
+                       || 'idempotency.metrics(timestamptz, boolean), '
+                       || 'idempotency.metrics_by_scope(timestamptz), '
+                       || 'idempotency._require_coordinator(text, text), '
+                       || 'idempotency._require_pg_cron(text), '
+                       || 'idempotency._invalid_argument(text, text, text, text, text) TO %s',
+                       grant_usage.grantee);
+        EXECUTE format('GRANT SELECT ON TABLE idempotency.maintenance_runs, '
+                       || 'idempotency.migrations TO %s', grant_usage.grantee);
+        RETURN;
+    END IF;
+    EXECUTE format(
+        'GRANT EXECUTE ON FUNCTION %s, %s TO %s', v_common,
+        CASE grant_usage.kind
+            WHEN 'request' THEN
+                'idempotency.claim(text, text, jsonb, interval, bytea, boolean, timestamptz), '
+                || 'idempotency.inbox_accept(text, text, timestamptz)'
+            ELSE
+                'idempotency.takeover(text, text, interval, timestamptz), '
+                || 'idempotency.list_abandoned(integer, text, timestamptz)'
+        END,
+        grant_usage.grantee);
+END;
+$$;
+
+COMMENT ON FUNCTION idempotency.grant_usage(regrole, text, text[]) IS
+'Let grantee call the functions of one kind of application role, without any privilege on the
+tables. kind request (handlers): claim, inbox_accept; completer (background completers):
+takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
+both: checkpoint, heartbeat, complete, complete_bytes, accept, release, heartbeat_outcome,
+checkpoint_outcome, release_outcome, fingerprint, canonical_json, derive_key; monitor
+(scrapers): metrics, metrics_by_scope; maintainer (schedulers): maintain at the clock,
+schedule_maintenance, unschedule_maintenance, key_status, partition_status, metrics,
+metrics_by_scope, SELECT on maintenance_runs and migrations. Recorded in idempotency.grants and re-applied by later
+migrations. IK022 on a Citus worker. See docs/sql-api.md.';
+
+
+COMMENT ON TABLE idempotency.grants IS
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor,
+maintainer), and a completer''s scopes (NULL: every scope); re-applied by every migration
+from 0010 on.';
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

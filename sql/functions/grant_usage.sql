@@ -16,6 +16,14 @@
 -- role gets only from a takeover in its scopes (docs/design.md, "Completer scopes").
 -- kind 'monitor' is for scrapers (the Prometheus postgres exporter): metrics() and
 -- metrics_by_scope() only, which read counts, ages and sizes, never a key or a response.
+-- kind 'maintainer' is for schedulers (pg_cron, cron, a Kubernetes CronJob), so that none of
+-- them holds the owner's password: maintain() at the clock (a reference_time other than now()
+-- is the owner's test clock, IK017; see maintain), schedule_maintenance and
+-- unschedule_maintenance (run as the caller, so that the pg_cron job runs as the maintainer;
+-- hence also the three checks they call, which only raise), and the status reads: key_status,
+-- partition_status, metrics, metrics_by_scope, and SELECT on maintenance_runs and migrations
+-- (what pg-idempotency status and maintain read). It reads key names and counts, never a
+-- request or a response, and writes nothing but what maintain() does.
 -- A role may be granted several kinds. Grants add up, and each is recorded in
 -- idempotency.grants, so every later migration grants the role what its kind has then
 -- (idempotency._reapply_grants). A completer's scopes add up the same way (NULL, every scope,
@@ -61,10 +69,10 @@ BEGIN
     ELSIF grant_usage.kind IS NULL THEN
         PERFORM idempotency._invalid_argument('idempotency.grant_usage', 'kind', 'IK010',
                                               'must not be NULL');
-    ELSIF grant_usage.kind NOT IN ('request', 'completer', 'monitor') THEN
+    ELSIF grant_usage.kind NOT IN ('request', 'completer', 'monitor', 'maintainer') THEN
         PERFORM idempotency._invalid_argument(
             'idempotency.grant_usage', 'kind', 'IK014',
-            'must be ''request'', ''completer'' or ''monitor''',
+            'must be ''request'', ''completer'', ''monitor'' or ''maintainer''',
             format('It is %s.', to_json(grant_usage.kind)));
     END IF;
     IF grant_usage.scopes IS NOT NULL THEN
@@ -107,6 +115,22 @@ BEGIN
                        grant_usage.grantee);
         RETURN;
     END IF;
+    IF grant_usage.kind = 'maintainer' THEN
+        EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.maintain(timestamptz), '
+                       || 'idempotency.schedule_maintenance(text), '
+                       || 'idempotency.unschedule_maintenance(), '
+                       || 'idempotency.key_status(timestamptz), '
+                       || 'idempotency.partition_status(timestamptz), '
+                       || 'idempotency.metrics(timestamptz, boolean), '
+                       || 'idempotency.metrics_by_scope(timestamptz), '
+                       || 'idempotency._require_coordinator(text, text), '
+                       || 'idempotency._require_pg_cron(text), '
+                       || 'idempotency._invalid_argument(text, text, text, text, text) TO %s',
+                       grant_usage.grantee);
+        EXECUTE format('GRANT SELECT ON TABLE idempotency.maintenance_runs, '
+                       || 'idempotency.migrations TO %s', grant_usage.grantee);
+        RETURN;
+    END IF;
     EXECUTE format(
         'GRANT EXECUTE ON FUNCTION %s, %s TO %s', v_common,
         CASE grant_usage.kind
@@ -127,5 +151,7 @@ tables. kind request (handlers): claim, inbox_accept; completer (background comp
 takeover, list_abandoned, limited to scopes when given (IK023 for others; NULL: every scope);
 both: checkpoint, heartbeat, complete, complete_bytes, accept, release, heartbeat_outcome,
 checkpoint_outcome, release_outcome, fingerprint, canonical_json, derive_key; monitor
-(scrapers): metrics, metrics_by_scope. Recorded in idempotency.grants and re-applied by later
+(scrapers): metrics, metrics_by_scope; maintainer (schedulers): maintain at the clock,
+schedule_maintenance, unschedule_maintenance, key_status, partition_status, metrics,
+metrics_by_scope, SELECT on maintenance_runs and migrations. Recorded in idempotency.grants and re-applied by later
 migrations. IK022 on a Citus worker. See docs/sql-api.md.';

@@ -7,6 +7,7 @@ RETURNS SETOF idempotency.key_status
 -- the parameters unresolved).
 LANGUAGE plpgsql
 VOLATILE
+SECURITY DEFINER  -- for maintainer roles without table privileges (grant_usage 'maintainer')
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE

@@ -6,10 +6,17 @@
 -- The run's row records the time its drops were measured from: reference_time, or now() when
 -- reference_time is later (a future reference_time never drops a key younger than the
 -- retention; see _maintain).
+--
+-- SECURITY DEFINER so that a scheduler need not be the owner: grant_usage(kind =>
+-- 'maintainer') lets a role run it, and run nothing else that writes. Such a role runs it at
+-- the clock only: a past reference_time writes tombstones that expire early and records a
+-- false time in maintenance_runs, so any reference_time but now() (the default) is the owner's
+-- test clock (_test_clock, IK017).
 CREATE FUNCTION idempotency.maintain(reference_time timestamptz DEFAULT now())
 RETURNS SETOF idempotency.maintenance_action
 LANGUAGE plpgsql
 VOLATILE
+SECURITY DEFINER
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
@@ -24,6 +31,9 @@ DECLARE
     v_id bigint;
 BEGIN
     PERFORM idempotency._require_coordinator('idempotency.maintain');
+    IF maintain.reference_time <> now() THEN
+        PERFORM idempotency._test_clock('idempotency.maintain', maintain.reference_time);
+    END IF;
     FOR v_step IN SELECT * FROM idempotency._maintain(maintain.reference_time) LOOP
         CASE v_step.action
             WHEN 'created' THEN
@@ -64,5 +74,6 @@ COMMENT ON FUNCTION idempotency.maintain(timestamptz) IS
 goes: write tombstones (opt-in), drop partitions wholly older than the retention (never the newest), move rows out of the default
 partitions, create settings.premake partitions ahead. Skips and reports any step whose lock is
 not granted within settings.maintenance_lock_timeout, and a run while another one is active.
-Returns what it did and records the run in idempotency.maintenance_runs. See
-docs/maintenance.md.';
+Returns what it did and records the run in idempotency.maintenance_runs. Security definer: a
+maintainer role (grant_usage) runs it, at the clock only (reference_time other than now():
+IK017 unless the caller is the schema owner). See docs/maintenance.md.';

@@ -5,6 +5,7 @@ CREATE FUNCTION idempotency.partition_status(reference_time timestamptz DEFAULT 
 RETURNS SETOF idempotency.partition_status
 LANGUAGE plpgsql
 VOLATILE
+SECURITY DEFINER  -- for maintainer roles without table privileges (grant_usage 'maintainer')
 SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE

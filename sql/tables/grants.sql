@@ -6,7 +6,7 @@
 -- the next upgrade unless the row goes too (docs/install.md, Privileges).
 CREATE TABLE idempotency.grants (
     grantee regrole NOT NULL,
-    -- request | completer | monitor
+    -- request | completer | monitor | maintainer
     kind text NOT NULL,
     granted_at timestamptz NOT NULL DEFAULT clock_timestamp(),
     -- kind completer only: the scopes it may take over and list (grant_usage(scopes => ...));
@@ -17,7 +17,8 @@ CREATE TABLE idempotency.grants (
 );
 
 COMMENT ON TABLE idempotency.grants IS
-'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor), and a
-completer''s scopes (NULL: every scope); re-applied by every migration from 0010 on.';
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor,
+maintainer), and a completer''s scopes (NULL: every scope); re-applied by every migration
+from 0010 on.';
 
 REVOKE ALL ON idempotency.grants FROM public;

@@ -15,6 +15,10 @@
 -- - maintain() measures what drops or expires from now() when reference_time is later, and
 --   records that time in maintenance_runs.reference_time; partitions are still made ahead of
 --   reference_time.
+-- - A fourth kind of role, grant_usage(kind => 'maintainer'), for schedulers: maintain() at
+--   the clock, schedule_maintenance, unschedule_maintenance and the status reads. maintain(),
+--   key_status() and partition_status() become SECURITY DEFINER for it (CREATE OR REPLACE
+--   keeps their grants).
 -- No table changes; no data moves.
 
 DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
@@ -31,6 +35,14 @@ DROP FUNCTION idempotency._check_size(text, text, integer, text);
 -- @replace functions/complete_bytes.sql
 -- @replace functions/_maintain.sql
 -- @replace functions/maintain.sql
+-- @replace functions/key_status.sql
+-- @replace functions/partition_status.sql
+-- @replace functions/grant_usage.sql
+
+COMMENT ON TABLE idempotency.grants IS
+'Roles let in by idempotency.grant_usage() and their kind (request, completer, monitor,
+maintainer), and a completer''s scopes (NULL: every scope); re-applied by every migration
+from 0010 on.';
 
 -- As in sql/bootstrap.sql: nothing new is executable by PUBLIC.
 REVOKE ALL ON ALL FUNCTIONS IN SCHEMA idempotency FROM public;

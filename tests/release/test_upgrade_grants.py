@@ -155,28 +155,33 @@ def test_a_grant_is_recorded_and_reapplied_to_a_function_made_again(
     """What a later migration does when it drops and re-creates a function (0006 did so with
     grant_usage, 0008 with the routes): the EXECUTE grant goes with the old function, and the
     migration's closing _reapply_grants() gives it back."""
-    with roles(server, db, 2) as (api, scraper):
+    with roles(server, db, 3) as (api, scraper, scheduler):
         grant(db, api, "request")
         grant(db, scraper, "monitor")
+        grant(db, scheduler, "maintainer")
+        before = functions_of(db, scheduler)
+        assert {"maintain", "schedule_maintenance", "partition_status"} <= before
         with psycopg.connect(db, autocommit=True) as conn:
             assert sorted(conn.execute(
                 "SELECT grantee::text, kind FROM idempotency.grants WHERE grantee::text IN "
                 "(%s, %s)", (api, scraper)).fetchall()) == sorted(
                 [(api, "request"), (scraper, "monitor")])
-            # Simulate a migration that re-creates release().
-            definition = conn.execute(
-                "SELECT pg_get_functiondef('idempotency.release(text, text, bigint)'"
-                "::regprocedure)").fetchone()[0]
-            conn.execute("DROP FUNCTION idempotency.release(text, text, bigint)")
-            conn.execute(definition)
-            conn.execute("REVOKE ALL ON FUNCTION idempotency.release(text, text, bigint) "
-                         "FROM public")
+            # Simulate a migration that re-creates release() and maintain().
+            for function in ("release(text, text, bigint)", "maintain(timestamptz)"):
+                definition = conn.execute(
+                    "SELECT pg_get_functiondef(%s::regprocedure)",
+                    (f"idempotency.{function}",)).fetchone()[0]
+                conn.execute(f"DROP FUNCTION idempotency.{function}")
+                conn.execute(definition)
+                conn.execute(f"REVOKE ALL ON FUNCTION idempotency.{function} FROM public")
         assert "release" not in functions_of(db, api)
+        assert "maintain" not in functions_of(db, scheduler)
         with psycopg.connect(db, autocommit=True) as conn:
-            assert conn.execute("SELECT idempotency._reapply_grants()").fetchone()[0] >= 2
+            assert conn.execute("SELECT idempotency._reapply_grants()").fetchone()[0] >= 3
         assert functions_of(db, api) == expected["request"]
         assert functions_of(db, scraper) == expected["monitor"] == {"metrics",
                                                                     "metrics_by_scope"}
+        assert functions_of(db, scheduler) == before
 
 
 def test_grant_usage_refuses_an_unknown_kind(db: str) -> None:
@@ -184,4 +189,4 @@ def test_grant_usage_refuses_an_unknown_kind(db: str) -> None:
         with pytest.raises(psycopg.Error) as info:
             conn.execute("SELECT idempotency.grant_usage('postgres', kind => 'admin')")
         assert info.value.sqlstate == "IK014"
-        assert "'request', 'completer' or 'monitor'" in str(info.value)
+        assert "'request', 'completer', 'monitor' or 'maintainer'" in str(info.value)

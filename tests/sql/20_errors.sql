@@ -728,7 +728,8 @@ SELECT throws_ok(
 SELECT throws_ok(
     $$SELECT idempotency.grant_usage(current_user::regrole, kind => 'admin')$$,
     'IK014',
-    'idempotency.grant_usage: argument "kind" must be ''request'', ''completer'' or ''monitor''',
+    'idempotency.grant_usage: argument "kind" must be ''request'', ''completer'', ''monitor'' or '
+    || '''maintainer''',
     'grant_usage: an unknown kind is IK014'
 );
 

@@ -655,10 +655,11 @@ SELECT results_eq(
       WHERE p.pronamespace = 'idempotency'::regnamespace AND p.prosecdef ORDER BY 1$$,
     $$VALUES ('accept'), ('canonical_json'), ('checkpoint'), ('checkpoint_outcome'), ('claim'),
              ('complete'), ('complete_bytes'), ('derive_key'), ('fingerprint'), ('heartbeat'),
-             ('heartbeat_outcome'), ('inbox_accept'), ('list_abandoned'), ('metrics'),
-             ('metrics_by_scope'), ('release'), ('release_outcome'), ('takeover')$$,
+             ('heartbeat_outcome'), ('inbox_accept'), ('key_status'), ('list_abandoned'),
+             ('maintain'), ('metrics'), ('metrics_by_scope'), ('partition_status'), ('release'),
+             ('release_outcome'), ('takeover')$$,
     'SECURITY DEFINER exactly on the lifecycle functions (and the three pure ones that call '
-    || 'internal helpers)'
+    || 'internal helpers), the monitor''s metrics and the maintainer''s maintain and status reads'
 );
 SELECT is_empty(
     $$SELECT p.oid::regprocedure FROM pg_proc AS p
