@@ -14,12 +14,14 @@ the functions raise IK020 (tests/sql/60_maintenance.sql checks that on both serv
 from __future__ import annotations
 
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import timedelta
 from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 from psycopg.types.json import Jsonb
 
 from pgharness import WAIT_BOUND, PgServer, flavour_bindir
@@ -135,3 +137,56 @@ def test_pg_cron_itself_runs_the_job_and_drops_an_expired_partition(cron_dsn: st
             assert conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()[0] is None
         finally:
             conn.execute("SELECT idempotency.unschedule_maintenance()")
+
+
+# The same minute's wait as above, for a job that a 'maintainer' role (grant_usage) scheduled:
+# pg_cron runs it as that role, which is neither the owner nor a superuser.
+def test_a_maintainer_role_schedules_the_job_and_pg_cron_runs_it_as_that_role(
+    cron_dsn: str
+) -> None:
+    role = f"maintainer_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(cron_dsn, autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'maintainer')", (role,))
+        # pg_cron's own grant, which the owner of schema idempotency may not be able to give
+        # (docs/maintenance.md).
+        conn.execute(sql.SQL("GRANT USAGE ON SCHEMA cron TO {}").format(sql.Identifier(role)))
+        name = expired_partition(conn, "k-maintainer")
+    try:
+        with psycopg.connect(cron_dsn, user=role, autocommit=True) as conn:
+            jobid = conn.execute("SELECT idempotency.schedule_maintenance('* * * * *')"
+                                 ).fetchone()[0]
+            assert conn.execute("SELECT username, command FROM cron.job WHERE jobid = %s",
+                                (jobid,)).fetchall() == [(role, COMMAND)]
+            # Its status reads work too, and its test clock does not.
+            assert conn.execute("SELECT count(*) FROM idempotency.partition_status() "
+                                "WHERE partition_name = %s",
+                                (name.removeprefix("idempotency."),)).fetchone()[0] == 1
+            with pytest.raises(psycopg.Error) as info:
+                conn.execute("SELECT * FROM idempotency.maintain(now() - interval '1 day')")
+            assert info.value.sqlstate == "IK017"
+        with psycopg.connect(cron_dsn, autocommit=True) as conn:
+            deadline = time.monotonic() + WAIT_BOUND
+            while time.monotonic() < deadline:
+                run = conn.execute("SELECT status, return_message, username "
+                                   "FROM cron.job_run_details "
+                                   "WHERE jobid = %s AND status IN ('succeeded', 'failed')",
+                                   (jobid,)).fetchone()
+                if run:
+                    break
+                time.sleep(1)
+            else:
+                pytest.fail(f"pg_cron did not run the job within {WAIT_BOUND:.0f} s "
+                            "(scheduled every minute)")
+            assert run[0] == "succeeded" and run[2] == role, run
+            assert conn.execute("SELECT to_regclass(%s)", (name,)).fetchone()[0] is None
+        with psycopg.connect(cron_dsn, user=role, autocommit=True) as conn:
+            assert conn.execute("SELECT idempotency.unschedule_maintenance()").fetchone()[0]
+            assert conn.execute("SELECT idempotency.unschedule_maintenance()"
+                                ).fetchone()[0] is False
+    finally:
+        with psycopg.connect(cron_dsn, autocommit=True) as conn:
+            conn.execute("DELETE FROM cron.job WHERE username = %s", (role,))
+            conn.execute("DELETE FROM idempotency.grants WHERE grantee = %s::regrole", (role,))
+            conn.execute(sql.SQL("DROP OWNED BY {}").format(sql.Identifier(role)))
+            conn.execute(sql.SQL("DROP ROLE {}").format(sql.Identifier(role)))
