@@ -401,7 +401,8 @@ COMMANDS: list[Command] = [
         "the default partition, write tombstones if enabled, drop partitions wholly older "
         "than the retention. A drop never waits long for its lock: it is skipped and "
         "reported, and the run is retried a few times. Prints every step. Exit status 3 "
-        "when a partition was still skipped for a lock after the last attempt. See "
+        "when a partition was still skipped for a lock after the last attempt. Run it as "
+        "the schema owner or a role granted kind 'maintainer' (grant_usage). See "
         "docs/maintenance.md.",
     ),
     Command(
@@ -541,11 +542,13 @@ _BAD_OPTION = re.compile(r"invalid (\w+ )+value|invalid integer value|invalid po
 def _describe(exc: psycopg.Error) -> str:
     """'SQLSTATE 23505: duplicate key ...' (the primary message only). A permission error
     (42501) says first what to do: the CLI's commands read the schema's tables, which only the
-    schema owner can (an application role granted by grant_usage() has its functions alone)."""
+    schema owner can (an application role granted by grant_usage() has its functions alone;
+    a 'maintainer' role may run maintain and status)."""
     message = exc.diag.message_primary or str(exc)
     if exc.sqlstate == "42501":
-        return (f"run this as the schema owner (the role that ran '{PROG} migrate'), not as "
-                f"an application role (SQLSTATE 42501: {_one_line(message)})")
+        return (f"run this as the schema owner (the role that ran '{PROG} migrate'; for "
+                f"maintain and status, a role granted kind 'maintainer' will do), not as an "
+                f"application role (SQLSTATE 42501: {_one_line(message)})")
     if exc.sqlstate:
         return f"SQLSTATE {exc.sqlstate}: {_one_line(message)}"
     return _one_line(message)

@@ -7,12 +7,14 @@ function; tests/sql/test_pg_cron.py has pg_cron run its job.
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from collections.abc import Iterator
 from datetime import timedelta
 
 import psycopg
 import pytest
-from helpers import login_roles
+from helpers import ROOT, login_roles
 from helpers.api import run as cli
 from helpers.probes import HOSTILE_SETTINGS, apply
 from psycopg import sql
@@ -130,21 +132,21 @@ def test_hostile_settings_do_not_widen_a_maintainer(
                             ).fetchone()[0] == 1
 
 
+def install_md_revoke() -> str:
+    """docs/install.md's block (Privileges) that takes the maintainer kind back."""
+    text = (ROOT / "docs" / "install.md").read_text()
+    found = re.findall(r"^(    REVOKE EXECUTE ON FUNCTION idempotency\.maintain\(.*?)\n\n", text,
+                       re.M | re.S)
+    assert len(found) == 1, found
+    return textwrap.dedent(found[0])
+
+
 def test_revoking_the_kind_takes_everything_back(db: str, maintainer: str) -> None:
-    """The REVOKE of docs/install.md, Privileges, as written there."""
+    """The REVOKE of docs/install.md, Privileges, as written there, for this role."""
     with psycopg.connect(db, autocommit=True) as conn:
-        conn.execute(sql.SQL(
-            "REVOKE EXECUTE ON FUNCTION idempotency.maintain(timestamptz), "
-            "idempotency.schedule_maintenance(text), idempotency.unschedule_maintenance(), "
-            "idempotency.key_status(timestamptz), idempotency.partition_status(timestamptz), "
-            "idempotency.metrics(timestamptz, boolean), "
-            "idempotency.metrics_by_scope(timestamptz), "
-            "idempotency._require_coordinator(text, text), idempotency._require_pg_cron(text), "
-            "idempotency._invalid_argument(text, text, text, text, text) FROM {role}; "
-            "REVOKE SELECT ON idempotency.maintenance_runs, idempotency.migrations FROM {role}"
-        ).format(role=sql.Identifier(maintainer)))
-        conn.execute("DELETE FROM idempotency.grants WHERE grantee = %s::regrole "
-                     "AND kind = 'maintainer'", (maintainer,))
+        conn.execute(install_md_revoke().replace("payments_maintenance", maintainer))
+        assert conn.execute("SELECT count(*) FROM idempotency.grants WHERE grantee = %s::regrole",
+                            (maintainer,)).fetchone()[0] == 0
         # What a later migration does: the deleted row is not granted again.
         conn.execute("SELECT idempotency._reapply_grants()")
     with psycopg.connect(role_dsn(db, maintainer), autocommit=True) as conn:
