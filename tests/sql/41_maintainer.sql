@@ -114,7 +114,10 @@ SELECT ok(
 );
 
 CREATE TEMP TABLE runs_before ON COMMIT DROP AS
-SELECT count(*) AS n, coalesce(max(id), 0) AS last_id FROM idempotency.maintenance_runs;
+SELECT
+    count(*) AS n,
+    coalesce(max(id), 0) AS last_id
+FROM idempotency.maintenance_runs;
 
 -- Every other function refuses it, whatever its arguments -------------------------------------
 
@@ -165,12 +168,16 @@ SELECT is_empty(
     'every function of the schema but its own raises 42501 for the maintainer'
 );
 SELECT ok(
-    (SELECT count(*) FROM refused
-     WHERE signature LIKE ANY (ARRAY['idempotency.claim(%', 'idempotency.complete(%',
-                                     'idempotency.force_release(%', 'idempotency.grant_usage(%',
-                                     'idempotency._reapply_grants(%', 'idempotency.takeover(%',
-                                     'idempotency._create_partition(%', 'idempotency._maintain(%',
-                                     'idempotency.list_keys(%', 'idempotency.inspect_key(%'])
+    (
+        SELECT count(*) FROM refused
+        WHERE
+            signature LIKE any(ARRAY[
+                'idempotency.claim(%', 'idempotency.complete(%',
+                'idempotency.force_release(%', 'idempotency.grant_usage(%',
+                'idempotency._reapply_grants(%', 'idempotency.takeover(%',
+                'idempotency._create_partition(%', 'idempotency._maintain(%',
+                'idempotency.list_keys(%', 'idempotency.inspect_key(%'
+            ])
     ) = 10,
     'among them claim, complete, force_release, grant_usage, _reapply_grants, takeover, '
     || '_create_partition, _maintain, list_keys and inspect_key'
@@ -222,18 +229,20 @@ SELECT is(
 -- A partition six days old with one completed key, due for a drop (retention is 24 hours), and
 -- a key claimed now beside it, since maintain() never drops the newest interval holding rows.
 CREATE TEMP TABLE old_part ON COMMIT DROP AS
-SELECT
-    date_bin('1 day', now() - interval '6 days', timestamptz '2000-01-01 00:00:00+00') AS lo;
+SELECT date_bin('1 day', now() - interval '6 days', timestamptz '2000-01-01 00:00:00+00') AS lo;
 SELECT idempotency.claim('t41', 'now', '{}');
 SELECT idempotency._create_partition('keys', lo, lo + interval '1 day') FROM old_part;
 SELECT idempotency.complete(
     't41', 'old',
-    (SELECT c.lease_token FROM old_part AS o
-     CROSS JOIN LATERAL idempotency.claim('t41', 'old', '{}', reference_time => o.lo) AS c),
+    (
+        SELECT c.lease_token FROM old_part AS o
+        CROSS JOIN LATERAL idempotency.claim('t41', 'old', '{}', reference_time => o.lo) AS c
+    ),
     200, '{}', reference_time => (SELECT lo + interval '1 second' FROM old_part)
 );
 CREATE TEMP TABLE old_name ON COMMIT DROP AS
-SELECT tableoid::regclass::text AS name FROM idempotency.keys WHERE scope = 't41' AND key = 'old';
+SELECT tableoid::regclass::text AS name FROM idempotency.keys
+WHERE scope = 't41' AND key = 'old';
 
 SELECT is(
     pg_temp.as_maintainer(format(
@@ -246,8 +255,14 @@ SELECT is(
 );
 SELECT ok(
     to_regclass((SELECT name FROM old_name)) IS NULL
-    AND NOT EXISTS (SELECT FROM idempotency.keys WHERE scope = 't41' AND key = 'old')
-    AND EXISTS (SELECT FROM idempotency.keys WHERE scope = 't41' AND key = 'now'),
+    AND NOT EXISTS (
+        SELECT FROM idempotency.keys
+        WHERE scope = 't41' AND key = 'old'
+    )
+    AND EXISTS (
+        SELECT FROM idempotency.keys
+        WHERE scope = 't41' AND key = 'now'
+    ),
     'the expired partition and its key are gone, the young key stays'
 );
 SELECT lives_ok(
