@@ -4,8 +4,11 @@ the same generators of :mod:`pg_idempotency._calls`.
     async with aio.operation(conn, scope, key, request) as op:
         if op.replay:
             return op.replay                     # the stored response
-        conn.execute("INSERT INTO ledger ...")   # the business write
+        await conn.execute("INSERT INTO ledger ...")   # the business write
         await op.complete(201, {"id": 7})        # commits it together with the response
+
+Given a ``psycopg_pool.AsyncConnectionPool`` instead of a connection, the operation takes a
+connection only while its SQL runs (:mod:`pg_idempotency._pooled`): write on ``op.conn``.
 """
 
 from __future__ import annotations
@@ -14,13 +17,13 @@ import functools
 from collections.abc import Callable, Mapping
 from datetime import datetime, timedelta
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import psycopg
 
 from . import _calls
 from ._calls import DEFAULT_LEASE
-from ._exec import arun, block_outage, make_async
+from ._exec import Gen, arun, block_outage, make_async
 from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -29,8 +32,12 @@ from ._operation import (
     idempotent_wrapper,
     refuse_managed,
 )
+from ._pooled import AsyncHold, PooledAsyncConnection, arun_pooled, is_pool
 from ._results import StoredResponse
 from .fingerprint import derive_key
+
+if TYPE_CHECKING:
+    from psycopg_pool import AsyncConnectionPool
 
 __all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
            "idempotent", "inbox_accept", "list_abandoned", "operation", "release", "takeover"]
@@ -47,49 +54,80 @@ inbox_accept = make_async(_calls.inbox_accept)
 
 
 class Operation(OperationFields):
-    """One idempotent operation on ``conn``; made by :func:`operation`. See
+    """One idempotent operation on ``conn`` (or on a pool); made by :func:`operation`. See
     :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
-    def __init__(self, core_: OperationCore, conn: psycopg.AsyncConnection[Any]) -> None:
+    def __init__(self, core_: OperationCore, conn: Any, hold: AsyncHold | None = None) -> None:
         self._core = core_
-        #: The caller's connection: do the business writes on it, inside the block.
-        self.conn = conn
+        self._hold = hold
+        #: The connection of the business transaction: do the business writes on it, inside
+        #: the block. Over a pool, a :class:`~pg_idempotency._pooled.PooledAsyncConnection`
+        #: that takes a connection of the pool at its first statement.
+        self.conn: Any = PooledAsyncConnection(hold) if hold is not None else conn
+
+    def _run(self, gen: Gen[Any]) -> Any:
+        if self._hold is None:
+            return arun(self.conn, gen)
+        return arun_pooled(self._hold, gen)
+
+    async def connection(self) -> psycopg.AsyncConnection[Any]:
+        """The psycopg connection of the business transaction. Over a pool it is taken now
+        (if no statement took it yet) and kept until the operation ends."""
+        if self._hold is None:
+            return self.conn  # type: ignore[no-any-return]
+        return await self._hold.pin("op.connection()")
 
     async def __aenter__(self) -> Operation:
-        await arun(self.conn, self._core.g_enter())
+        try:
+            await self._run(self._core.g_enter())
+        except BaseException:
+            if self._hold is not None:
+                await self._hold.close()
+            raise
+        if self._hold is not None and self._core.lease_token is None:
+            await self._hold.close()  # a replay (or accepted): the block has nothing to run
         return self
 
     async def __aexit__(self, exc_type: type[BaseException] | None,
                         exc: BaseException | None, tb: TracebackType | None) -> None:
-        await arun(self.conn, self._core.g_exit(exc))
+        try:
+            await self._run(self._core.g_exit(exc))
+        finally:
+            if self._hold is not None:
+                await self._hold.close()
         lost = block_outage(exc)
         if lost is not None:  # the block's own statement on a lost connection
             raise lost
 
     async def checkpoint(self, recovery_point: str, *,
                          extend: timedelta | float | None = None) -> datetime:
-        """Record ``recovery_point`` and commit it with the writes made so far."""
-        return await arun(self.conn, self._core.g_checkpoint(recovery_point, extend))
+        """Record ``recovery_point`` and commit it with the writes made so far. Over a pool,
+        the connection goes back to it until the block's next statement."""
+        return await self._run(  # type: ignore[no-any-return]
+            self._core.g_checkpoint(recovery_point, extend))
 
     async def complete(self, status: int, body: Any = None, *,
                        headers: Mapping[str, str] | None = None,
                        content_type: str | None = None) -> StoredResponse:
         """Store the response and commit it with the business writes."""
-        return await arun(self.conn, self._core.g_complete(status, body, headers, content_type))
+        return await self._run(  # type: ignore[no-any-return]
+            self._core.g_complete(status, body, headers, content_type))
 
     async def accept(self, status: int, body: Any = None, *,
                      headers: Mapping[str, str] | None = None,
                      lease: timedelta | float | None = None) -> StoredResponse:
         """Hand the operation over to a worker (see :meth:`pg_idempotency.Operation.accept`)."""
-        return await arun(self.conn, self._core.g_accept(status, body, headers, lease))
+        return await self._run(  # type: ignore[no-any-return]
+            self._core.g_accept(status, body, headers, lease))
 
     async def release(self) -> None:
         """A definite failure before any side effect: roll back and release the key (see
         :meth:`pg_idempotency.Operation.release`)."""
-        await arun(self.conn, self._core.g_release())
+        await self._run(self._core.g_release())
 
 
-def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,
+def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any], scope: str,
+              key: str,
               request: Any = None, *, lease: timedelta | float = DEFAULT_LEASE,
               fingerprint: bytes | None = None, reference_time: datetime | None = None,
               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES,
@@ -102,12 +140,21 @@ def operation(conn: psycopg.AsyncConnection[Any], scope: str, key: str,
     ``op.complete()`` raises :class:`~pg_idempotency.errors.ArgumentTooLarge` (IK018) for a
     body over ``max_response_bytes`` or headers over ``max_headers_bytes`` (the server's
     defaults) before sending anything, and ends the operation as an exception would (rolled
-    back, key released)."""
+    back, key released).
+
+    ``conn`` may be a ``psycopg_pool.AsyncConnectionPool``: then the operation holds a
+    connection of it only while its SQL runs. The claim runs on one given back as soon as it
+    answered; ``op.conn`` takes one for the business transaction at its first statement (or
+    ``complete()`` does, when the block wrote nothing), and ``complete()`` commits on that
+    one; ``checkpoint()`` gives it back until the next statement. A block waiting on a slow
+    call holds no connection."""
+    core_ = OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
+                          reference_time=reference_time, max_response_bytes=max_response_bytes,
+                          max_headers_bytes=max_headers_bytes)
+    if is_pool(conn):
+        return Operation(core_, None, AsyncHold(conn))
     refuse_managed(conn)
-    return Operation(OperationCore(scope, key, request, lease=lease, fingerprint=fingerprint,
-                                   reference_time=reference_time,
-                                   max_response_bytes=max_response_bytes,
-                                   max_headers_bytes=max_headers_bytes), conn)
+    return Operation(core_, conn)
 
 
 def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200

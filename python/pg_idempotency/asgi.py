@@ -84,9 +84,10 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from starlette.requests import Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from . import aio
+from . import _operation, aio
 from . import contract as http
 from ._calls import DEFAULT_LEASE
+from ._pooled import AsyncHold
 from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
 from .errors import (
@@ -261,23 +262,21 @@ class IdempotencyMiddleware:
             await _send(send, keyed)
             return
         digest = keyed.fingerprint
-        held = _Held(self._holder_slots(), self.pool)
+        slots = self._holder_slots()
         op: aio.Operation | None = None
 
         async def claim() -> ClaimResult:
             nonlocal op
-            conn = await held.take()
-            op = aio.operation(conn, keyed.scope, key, None, fingerprint=digest,
-                               lease=keyed.lease,
-                               max_response_bytes=self.settings.max_response_bytes)
+            # A hold per attempt: the claim's connection goes back to the pool as soon as it
+            # answered, the handler's transaction takes one at its first statement.
+            op = aio.Operation(_operation.OperationCore(
+                keyed.scope, key, None, fingerprint=digest, lease=keyed.lease,
+                max_response_bytes=self.settings.max_response_bytes), None,
+                AsyncHold(self.pool, slots))
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 await op.__aenter__()  # its claim_result says which
             assert op.claim_result is not None  # set before any of those is raised
             return op.claim_result
-
-        async def pause(seconds: float) -> None:
-            await held.give_back()  # no connection is held while polling
-            await anyio.sleep(seconds)
 
         started = False
 
@@ -288,17 +287,15 @@ class IdempotencyMiddleware:
 
         try:
             try:
-                claimed = await http.aclaim_waiting(self.settings, claim, pause)
+                claimed = await http.aclaim_waiting(self.settings, claim, anyio.sleep)
                 if isinstance(claimed, Answer):
-                    await held.give_back()
                     await _send(sending, claimed)
                 else:
                     assert op is not None
                     await self._execute(op, scope, receive, sending, body)
-            except BaseException as exc:
-                await held.give_back(exc)
-                raise
-            await held.give_back()
+            finally:
+                if op is not None:
+                    await op._hold.close()  # type: ignore[union-attr]
         except PoolTimeout:
             await _send(send, http.no_connection(self.settings))
         except Exception as exc:
@@ -359,6 +356,11 @@ class IdempotencyMiddleware:
             if not http.stores(self.settings, start["status"], started=handling.started):
                 raise _Rollback(start["status"])
         except PoolTimeout as exc:
+            if op._hold is not None and op._hold.timed_out:
+                # The handler's first statement found no connection free in time: as a claim
+                # that finds none, 503 (rolled back, the key released).
+                await op.__aexit__(type(exc), exc, exc.__traceback__)
+                raise
             error = PoolExhausted(
                 f"the handler timed out waiting for a database connection ({exc}). If it "
                 "asked the middleware's pool: each keyed request holds one of its "
@@ -386,6 +388,10 @@ class IdempotencyMiddleware:
         try:
             await op.complete(start["status"], b"".join(chunks), headers=stored,
                               content_type=content_type)
+        except PoolTimeout as exc:
+            # No connection free in time for complete (the handler wrote nothing): 503.
+            await op.__aexit__(type(exc), exc, exc.__traceback__)
+            raise
         except (LeaseLost, AlreadyCompleted, KeyNotFound) as exc:
             # Taken over while we ran: our writes rolled back; the new holder's answer wins.
             await op.__aexit__(type(exc), exc, exc.__traceback__)
@@ -402,42 +408,6 @@ class IdempotencyMiddleware:
             await op.__aexit__(type(exc), exc, exc.__traceback__)
             raise
         await _send_raw(send, start["status"], raw_headers, chunks)
-
-
-class _Held:
-    """The slot and the pooled connection a keyed request holds while its key is claimed or
-    owned: what an AsyncExitStack of the two does (the pool's context gets the exception the
-    request ends with), without the stack's cost on every request."""
-
-    __slots__ = ("_conn", "_pool", "_slot", "_slots")
-
-    def __init__(self, slots: anyio.Semaphore, pool: AsyncConnectionPool) -> None:
-        self._slots = slots
-        self._pool = pool
-        self._slot = False
-        self._conn: contextlib.AbstractAsyncContextManager[Any] | None = None
-
-    async def take(self) -> Any:
-        """A slot, then a connection of the pool (PoolTimeout when none is free in time)."""
-        await self._slots.acquire()
-        self._slot = True
-        conn = self._pool.connection()
-        taken = await conn.__aenter__()
-        self._conn = conn
-        return taken
-
-    async def give_back(self, exc: BaseException | None = None) -> None:
-        """The connection back to the pool (rolled back when ``exc`` is given, as the pool's
-        context does on an exception), then the slot; nothing when nothing is held."""
-        conn, self._conn = self._conn, None
-        try:
-            if conn is not None:
-                await conn.__aexit__(None if exc is None else type(exc), exc,
-                                     None if exc is None else exc.__traceback__)
-        finally:
-            if self._slot:
-                self._slot = False
-                self._slots.release()
 
 
 #: Bodies longer than this (bytes) are fingerprinted in a worker thread.

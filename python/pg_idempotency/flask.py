@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import io
-import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -46,8 +45,9 @@ import flask
 from psycopg_pool import ConnectionPool, PoolTimeout
 from werkzeug.exceptions import RequestEntityTooLarge
 
-from . import api
+from . import _operation, api
 from . import contract as http
+from ._pooled import Hold
 from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
 from .errors import (
@@ -123,30 +123,30 @@ class _Keyed:
         if isinstance(keyed, Answer):
             return keyed
         digest = keyed.fingerprint
-        held = contextlib.ExitStack()  # the connection, while claimed or owned
         op: api.Operation | None = None
 
         def claim() -> ClaimResult:
             nonlocal op
-            op = api.operation(held.enter_context(self.pool.connection()), keyed.scope, key,
-                               None, fingerprint=digest, lease=keyed.lease,
-                               max_response_bytes=self.settings.max_response_bytes)
+            # A hold per attempt: the claim's connection goes back to the pool as soon as it
+            # answered, the view's transaction takes one at its first statement.
+            op = api.Operation(_operation.OperationCore(
+                keyed.scope, key, None, fingerprint=digest, lease=keyed.lease,
+                max_response_bytes=self.settings.max_response_bytes), None, Hold(self.pool))
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 op.__enter__()  # its claim_result says which
             assert op.claim_result is not None  # set before any of those is raised
             return op.claim_result
 
-        def pause(seconds: float) -> None:
-            held.close()  # no connection is held while polling
-            time.sleep(seconds)
-
         try:
-            with held:
-                claimed = http.claim_waiting(self.settings, claim, pause)
+            try:
+                claimed = http.claim_waiting(self.settings, claim)
                 if isinstance(claimed, Answer):
                     return claimed
                 assert op is not None
                 return self._execute(op, environ, handler, started)
+            finally:
+                if op is not None:
+                    op._hold.close()  # type: ignore[union-attr]
         except PoolTimeout:
             return http.no_connection(self.settings)
         except Exception as exc:
@@ -188,6 +188,10 @@ class _Keyed:
         stored, content_type = http.stored_parts(self.settings, out.headers)
         try:
             op.complete(out.status, out.body, headers=stored, content_type=content_type)
+        except PoolTimeout as exc:
+            # No connection free in time for complete (the view wrote nothing): 503.
+            op.__exit__(type(exc), exc, exc.__traceback__)
+            raise
         except (LeaseLost, AlreadyCompleted, KeyNotFound) as exc:
             # Taken over while the view ran: its writes rolled back; the new holder's counts.
             op.__exit__(type(exc), exc, exc.__traceback__)

@@ -52,6 +52,11 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, create_async_engin
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import NullPool
 
+try:
+    from sqlalchemy.util import await_ as _await
+except ImportError:  # SQLAlchemy 2.0
+    from sqlalchemy.util import await_only as _await
+
 from . import _exec, _wire, aio, contract
 from ._calls import DEFAULT_LEASE
 from ._exec import Call, Gen, Query, Tx, block_outage, translate
@@ -378,18 +383,31 @@ class _Borrowed:
     """The operation's psycopg connection as SQLAlchemy's engine sees it: the operation owns
     its transaction (commits it with the stored response) and its life (a pool's connection),
     so commit is refused and rollback/close are left to the owner. Savepoints, which the
-    session uses, are plain SQL and go through."""
+    session uses, are plain SQL and go through.
 
-    __slots__ = ("_conn",)
+    The connection itself is asked of the operation at the session's first statement, not
+    when the session is made: an operation over a pool (the middleware's) takes one then, so a
+    handler that awaits a slow call before it writes holds no connection meanwhile. SQLAlchemy
+    calls its driver's connection inside its greenlet, where the operation can be awaited."""
 
-    def __init__(self, conn: Any) -> None:
-        object.__setattr__(self, "_conn", conn)
+    __slots__ = ("_op", "_conn")
+
+    def __init__(self, op: aio.Operation) -> None:
+        object.__setattr__(self, "_op", op)
+        object.__setattr__(self, "_conn", None)
+
+    def _real(self) -> Any:
+        conn = self._conn
+        if conn is None:
+            conn = _await(self._op.connection())
+            object.__setattr__(self, "_conn", conn)
+        return conn
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._conn, name)
+        return getattr(self._real(), name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._conn, name, value)
+        setattr(self._real(), name, value)
 
     async def commit(self) -> None:
         raise UsageError("the operation's transaction is committed with its stored response "
@@ -405,15 +423,16 @@ class _Borrowed:
         pass  # one per checkout would pile up on a pooled connection
 
 
-_lending: ContextVar[Any] = ContextVar("pg_idempotency_sqlalchemy_lending", default=None)
+_lending: ContextVar[aio.Operation | None] = ContextVar("pg_idempotency_sqlalchemy_lending",
+                                                        default=None)
 _engine: AsyncEngine | None = None
 
 
 async def _lent() -> _Borrowed:
-    conn = _lending.get()
-    if conn is None:
+    op = _lending.get()
+    if op is None:
         raise UsageError("the borrowing engine only connects inside bind_session()")
-    return _Borrowed(conn)
+    return _Borrowed(op)
 
 
 def _borrowing_engine() -> AsyncEngine:
@@ -432,14 +451,15 @@ def _borrowing_engine() -> AsyncEngine:
 async def bind_session(op: aio.Operation, **session_options: Any
                        ) -> AsyncIterator[AsyncSession]:
     """An ``AsyncSession`` whose statements run on ``op.conn``, in the operation's open
-    transaction. ``commit()`` releases a savepoint (the writes stay in the operation's
+    transaction; over a pool (the middleware's operation) the connection is taken at the
+    session's first statement. ``commit()`` releases a savepoint (the writes stay in the operation's
     transaction, which ``op.complete()`` or the middleware commits), ``rollback()`` rolls back
     to it. Closed when the block ends: what was not committed is rolled back. Keyword
     arguments go to ``AsyncSession`` (``expire_on_commit`` defaults to False)."""
     if op.lease_token is None:
         raise UsageError("bind_session(): the operation does not own its key (replay, "
                          "accepted or not entered)")
-    token = _lending.set(op.conn)
+    token = _lending.set(op)
     try:
         conn = await _borrowing_engine().connect()
     finally:
