@@ -19,7 +19,8 @@
 #                (DRY_RUN=1: the checks alone; docs/releasing.md)
 #   make lint    ruff, mypy (python/) and sqlfluff
 #   make bench   benchmarks (bench/operation.py, bench/instructions.py, bench/run.py, bench/partitions.py,
-#                bench/http.py, bench/retention.py, bench/citus.py), then bench/targets.py:
+#                bench/http.py, bench/provider.py, bench/retention.py, bench/citus.py), then
+#                bench/targets.py:
 #                the cost targets of bench/targets.toml, met or not, the tracked figures, and
 #                docs/benchmarks-cpu.png; what each measures and how to read it: bench/README.md.
 #                bench/citus.py needs Citus 14 built into the wheel's PostgreSQL 18
@@ -231,6 +232,7 @@ lint: $(STAMP)
 run: $(STAMP)
 	$(PY) tools/run.py $(RUN_ARGS)
 
+BENCH_BASELINE ?= main
 bench: setup
 	@$(PY) -c 'import matplotlib' 2>/dev/null || $(PY) -m pip install -q '.[bench]'
 	@# the scripts' figures go to build/bench/*.json (where the test user may write), and
@@ -247,6 +249,14 @@ bench: setup
 		--json build/bench/partitions.json
 	cp build/benchmarks-partitions.png docs/benchmarks-partitions.png
 	$(AS_TEST_USER) $(PY) bench/http.py --rounds 5 --json build/bench/http.json
+	@# bench/provider.py serves the middleware of BENCH_BASELINE (a git revision, main by
+	@# default) beside this tree's, when git knows it
+	rm -rf build/bench/baseline
+	if git rev-parse -q --verify '$(BENCH_BASELINE)^{commit}' >/dev/null 2>&1; then \
+		mkdir -p build/bench/baseline && git archive '$(BENCH_BASELINE)' python \
+		| tar -x -C build/bench/baseline && chmod -R a+rX build/bench/baseline; fi
+	$(AS_TEST_USER) $(PY) bench/provider.py --rounds 5 --json build/bench/provider.json \
+		$$(test -d build/bench/baseline && echo --baseline build/bench/baseline)
 	$(AS_TEST_USER) $(PY) bench/retention.py
 	$(AS_TEST_USER) $(PY) bench/citus.py --json build/bench/citus.json
 	$(AS_TEST_USER) $(PY) bench/targets.py --plot build/bench/cpu.png

@@ -43,7 +43,7 @@ from common import ROOT, rounds_text
 
 OUT = ROOT / "build" / "bench"
 TARGETS = ROOT / "bench" / "targets.toml"
-FILES = ("operation", "http", "run", "citus", "partitions", "instructions")
+FILES = ("operation", "http", "provider", "run", "citus", "partitions", "instructions")
 
 Data = dict[str, Any]
 #: A figure as rows: (what and where, the per-round values).
@@ -82,6 +82,17 @@ def _http(what: str, get: Callable[[Data], list[float] | None], who: str = "") -
             if values is not None:
                 out.append((f"{what} ({who}{r['load']}, {r['clients']} clients)", values))
         return out
+    return rows
+
+
+def _provider(what: str, ratio_key: str, slow: bool) -> Callable[[Data], Rows]:
+    """bench/provider.py's per-round ratios, for the slow provider call (0.2 s and longer)
+    or the fast path."""
+    def rows(d: Data) -> Rows:
+        return [(f"{what} (provider call {r['delay'] * 1000:g} ms, pool {d['pool']}, "
+                 f"{d['clients']} clients)", r["ratios"][ratio_key])
+                for r in d["results"] if (r["delay"] >= 0.1) == slow
+                and ratio_key in r["ratios"]]
     return rows
 
 
@@ -148,6 +159,18 @@ FIGURES: dict[str, tuple[str, Callable[[Data], Rows]]] = {
     "http.wait_over_recipe": ("http", _http(
         "HTTP PG run-queue wait ours/recipe",
         lambda r: r["ratios"].get("pg_wait_ms_over_recipe"))),
+    "provider.rps_over_recipe": ("provider", _provider(
+        "HTTP, slow provider call: throughput ours/recipe", "rps_over_recipe", True)),
+    "provider.rps_over_none": ("provider", _provider(
+        "HTTP, slow provider call: throughput ours/none", "rps_over_none", True)),
+    "provider.p50_over_none": ("provider", _provider(
+        "HTTP, slow provider call: p50 latency ours/none", "p50_over_none", True)),
+    "provider.fast_rps_over_baseline": ("provider", _provider(
+        "HTTP, fast path: throughput ours/main's middleware", "rps_over_baseline", False)),
+    "provider.fast_p50_over_baseline": ("provider", _provider(
+        "HTTP, fast path: p50 latency ours/main's middleware", "p50_over_baseline", False)),
+    "provider.fast_rps_over_none": ("provider", _provider(
+        "HTTP, fast path: throughput ours/none", "rps_over_none", False)),
     "run.engine_over_floor_fast": ("run", lambda d: [
         (f"pgbench engine/floor fast ({r['version']}, {r['clients']} clients)",
          r["engine_over_floor_rounds"]) for r in d["results"] if r["mode"] == "fast"]),
@@ -181,6 +204,9 @@ TITLES = {
     "operation.server_cpu_over_recipe": "server CPU ours/recipe (operation())",
     "operation.app_cpu_over_recipe": "app CPU ours/recipe (operation())",
     "http.rps_over_recipe": "HTTP throughput ours/recipe",
+    "provider.rps_over_recipe": "HTTP, slow provider call: throughput ours/recipe",
+    "provider.rps_over_none": "HTTP, slow provider call: throughput ours/none",
+    "provider.p50_over_none": "HTTP, slow provider call: p50 latency ours/none",
 }
 
 
