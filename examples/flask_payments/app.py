@@ -10,7 +10,8 @@
          -d '{"amount": 50, "currency": "EUR"}'
 
 POST /payments requires an Idempotency-Key. The decorator claims it on a connection of the pool
-and hands the view that connection in an open transaction (``get_operation().conn``); the view
+(given back at once) and hands the view ``get_operation().conn``, which takes a connection of
+the pool at the view's first statement and holds an open transaction on it; the view
 writes the ledger row on it and returns its answer, which the decorator stores with complete()
 in the same transaction before it commits: the row and the replayable answer exist together or
 not at all. A retry gets the stored answer, byte for byte, with Idempotent-Replayed: true.

@@ -10,9 +10,11 @@
         await op.conn.execute("INSERT INTO ledger ...")
         return JSONResponse({...}, status_code=201)   # stored with the insert, in one commit
 
-For a request with an ``Idempotency-Key`` the middleware claims the key on a pooled connection,
-then calls the handler with that connection in an open transaction (``get_operation(request)``
-gives the :class:`pg_idempotency.aio.Operation`, ``op.conn`` the connection). When the handler
+For a request with an ``Idempotency-Key`` the middleware claims the key on a pooled connection
+and gives it back, then calls the handler (``get_operation(request)`` gives the
+:class:`pg_idempotency.aio.Operation`); ``op.conn`` takes a connection of the pool at the
+handler's first statement and holds the transaction open on it, so a handler that awaits a
+slow call before it writes holds no connection meanwhile. When the handler
 answers, the response (status, exact body bytes, content type, and the headers named in
 ``replay_headers``) is stored with ``complete()`` in the same transaction as the handler's
 writes, committed, and only then sent. Answers of its own:
@@ -63,10 +65,10 @@ A handler that raises, or answers 5xx (unless ``store_server_errors``, which sto
 whether or not the handler asked for its operation), is rolled back; the key
 is released for a fresh retry unless a side effect may have happened (a checkpoint was
 committed or a downstream key derived: then the key stays in progress and the next retry after
-the lease resumes). At most ``pool.max_size - pool_reserve`` keyed requests hold a connection
-at a time, so a handler that takes one more from the same pool cannot deadlock it. Responses
-are buffered whole before they are stored: do not use this on streaming endpoints. Options and
-defaults: docs/python.md; the contract, the same behind every adapter
+the lease resumes). At most ``pool.max_size - pool_reserve`` handlers' transactions hold a
+connection at a time, so a handler that takes one more from the same pool cannot deadlock
+it. Responses are buffered whole before they are stored: do not use this on streaming
+endpoints. Options and defaults: docs/python.md; the contract, the same behind every adapter
 (:mod:`pg_idempotency.contract`): docs/http.md.
 """
 
@@ -150,15 +152,16 @@ def add_cleanup(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
 class IdempotencyMiddleware:
     """Pure ASGI middleware; see the module documentation.
 
-    - ``pool``: an ``AsyncConnectionPool``; each keyed request holds one connection until its
-      response is committed.
+    - ``pool``: an ``AsyncConnectionPool``; a keyed request holds one of its connections only
+      while its SQL runs (the claim; the handler's transaction from its first statement to the
+      commit of the stored response).
     - ``scope``: ``callback(request) -> str | None`` (may be async), the caller's identity.
     - ``routes``: ``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": ...}``
       (``{name}`` matches one path segment; a value may be a
       :class:`~pg_idempotency.contract.Route` with the route's fingerprint fields and lease);
       unlisted routes are ``default_policy`` (IGNORED: name the keyed routes).
-    - ``pool_reserve``: connections of ``pool`` that keyed requests never hold (default 1):
-      at most ``pool.max_size - pool_reserve`` requests hold one at a time, so a handler that
+    - ``pool_reserve``: connections of ``pool`` that handlers' transactions never hold (default
+      1): at most ``pool.max_size - pool_reserve`` of them hold one at a time, so a handler that
       takes up to ``pool_reserve`` more from the same pool cannot deadlock the pool.
     - ``refuse_foreign_commits``: while a handler runs, a commit on any SQLAlchemy connection
       other than the operation's raises

@@ -17,8 +17,9 @@ or for a whole WSGI app, the keyed routes named (unlisted ones are not keyed)::
                                          routes={"POST /payments": "required"})
 
 For a request with an ``Idempotency-Key`` the key is claimed on a connection of ``pool``
-(committed on its own, so concurrent retries see it), then the view runs with that connection
-in an open transaction (``get_operation().conn``). Its answer (status, exact body bytes, content
+(committed on its own, so concurrent retries see it; the connection goes back at once), then
+the view runs; ``get_operation().conn`` takes a connection of the pool at its first statement
+and holds the transaction open on it. Its answer (status, exact body bytes, content
 type and the headers named in ``replay_headers``) is stored with ``complete()`` in that same
 transaction, committed, and only then sent: the business write and the stored answer commit
 together or not at all. A view that raises, or answers 5xx (unless ``store_server_errors``), is
@@ -217,8 +218,8 @@ class Idempotency:
     """The Flask view decorator's configuration: ``idem.idempotent`` (the key required) or
     ``idem.idempotent(required=False)``.
 
-    - ``pool``: a ``psycopg_pool.ConnectionPool``; each keyed request holds one connection
-      until its answer is committed (no connection free in time: 503).
+    - ``pool``: a ``psycopg_pool.ConnectionPool``; a keyed request holds one of its
+      connections only while its SQL runs (no connection free in time: 503).
     - ``scope``: ``callback(flask.request) -> str | None``, the caller's identity (None: 401).
     - ``refuse_foreign_commits``: with :mod:`pg_idempotency.sqlalchemy` imported, a commit on
       another SQLAlchemy connection while the view runs raises (default True).
