@@ -96,16 +96,17 @@ def _parking_app(pool: AsyncConnectionPool, gate: asyncio.Event, parked: list[st
 
     app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
     app.add_middleware(pg_asgi.IdempotencyMiddleware, pool=pool, scope=lambda r: "acct",
-                       routes={"POST /pay": "required"})
+                       routes={"POST /pay": "required"}, wait=WAIT_BOUND)
     return app
 
 
 @pytest.mark.anyio
 async def test_handlers_in_a_provider_call_hold_no_connection(db: str) -> None:
-    """8 keyed requests wait in their handler's provider call with a pool of 2: none holds a
-    connection meanwhile (the pool is all available, no session is idle in transaction), and
-    a ninth request is claimed, runs and commits while they wait. Then the 8 finish, each
-    written once."""
+    """8 keyed requests wait in their handler's provider call with a pool of 2, and 4
+    duplicates of one of them wait for it (``wait``, polling): none holds a connection
+    meanwhile (the pool is all available, no session is idle in transaction), and a ninth
+    request is claimed, runs and commits while they wait. Then the 8 finish, each written
+    once, and the duplicates replay the answer."""
     _setup(db)
     pool = AsyncConnectionPool(db, min_size=2, max_size=2, timeout=WAIT_BOUND, open=False)
     gate = asyncio.Event()
@@ -126,6 +127,9 @@ async def test_handlers_in_a_provider_call_hold_no_connection(db: str) -> None:
                     break
                 await asyncio.sleep(0.01)
             assert len(parked) == 8
+            duplicates = [asyncio.create_task(pay("p0", True)) for _ in range(4)]
+            await asyncio.sleep(0.3)  # they claim, find p0 in progress, and poll
+            assert not any(t.done() for t in duplicates)
             stats = pool.get_stats()
             assert stats["pool_available"] == 2 and stats["requests_waiting"] == 0, stats
             assert _idle_in_transaction(db) == []
@@ -135,6 +139,9 @@ async def test_handlers_in_a_provider_call_hold_no_connection(db: str) -> None:
             gate.set()
             answers = await asyncio.gather(*waiting)
             assert [a.status_code for a in answers] == [201] * 8
+            for duplicate in await asyncio.gather(*duplicates):
+                assert duplicate.headers["idempotent-replayed"] == "true"
+                assert duplicate.content == answers[0].content
             replay = await pay("p3", True)
             assert replay.headers["idempotent-replayed"] == "true"
             assert replay.content == answers[3].content
