@@ -44,6 +44,8 @@ $guard$;
 --   the clock, schedule_maintenance, unschedule_maintenance and the status reads. maintain(),
 --   key_status() and partition_status() become SECURITY DEFINER for it (CREATE OR REPLACE
 --   keeps their grants).
+-- - _canonical_json counts the copies a deep value holds (enclosing): IK018 above 8 times
+--   max_request_bytes.
 -- No table changes; no data moves.
 
 DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
@@ -64,8 +66,13 @@ DROP FUNCTION idempotency._check_size(text, text, integer, text);
 -- measures it as it grows, against max_request_bytes), and the message says so: a value within
 -- the limit can still have a longer canonical text (an escaped control character is one byte
 -- in jsonb and six in the text).
+--
+-- nesting: size is the sum of the sizes of the arrays and objects on the path to the one
+-- _canonical_json is building, each holding a copy of what it encloses; the limit is 8 times
+-- max_request_bytes, and the message says it is the nesting that repeats the value.
 CREATE FUNCTION idempotency._check_size(
-    fn text, argument text, size integer, setting text, canonical boolean DEFAULT false
+    fn text, argument text, size bigint, setting text, canonical boolean DEFAULT false,
+    nesting boolean DEFAULT false
 )
 RETURNS void
 LANGUAGE plpgsql
@@ -74,6 +81,7 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_limit integer;
+    v_bound bigint;  -- the limit, times 8 with nesting
 BEGIN
     SELECT CASE _check_size.setting
                WHEN 'max_request_bytes' THEN s.max_request_bytes
@@ -88,18 +96,24 @@ BEGIN
         v_limit := CASE _check_size.setting WHEN 'max_headers_bytes' THEN 16384
                                             ELSE 1048576 END;
     END IF;
-    IF _check_size.size > v_limit THEN
+    v_bound := CASE WHEN _check_size.nesting THEN 8::bigint * v_limit ELSE v_limit::bigint END;
+    IF _check_size.size > v_bound THEN
         RAISE EXCEPTION USING
             MESSAGE = format('%s: argument "%s" is too large', _check_size.fn,
                              _check_size.argument),
             ERRCODE = 'IK018',
             COLUMN = _check_size.argument,
-            DETAIL = format(CASE WHEN _check_size.canonical
+            DETAIL = format(CASE WHEN _check_size.nesting
+                                 THEN 'It nests a large value deep: the arrays and objects '
+                                      'enclosing it hold at least %s bytes of copies of it '
+                                      'while it is canonicalized; the limit is 8 times '
+                                      'settings.%s, %s bytes.'
+                                 WHEN _check_size.canonical
                                  THEN 'Its canonical JSON (docs/fingerprint.md) is at least %s '
                                       'bytes; the limit (settings.%s) is %s bytes.'
                                  ELSE 'It is %s bytes; the limit (settings.%s) is %s bytes.'
                             END,
-                            _check_size.size, _check_size.setting, v_limit),
+                            _check_size.size, _check_size.setting, v_bound),
             HINT = format('Nothing was written. Send a smaller value, or have the schema owner '
                           'raise settings.%s (docs/maintenance.md). See docs/errors.md.',
                           _check_size.setting);
@@ -107,10 +121,11 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._check_size(text, text, integer, text, boolean) IS
+COMMENT ON FUNCTION idempotency._check_size(text, text, bigint, text, boolean, boolean) IS
 'Internal: raise IK018 when size (bytes, uncompressed; with canonical, of the canonical JSON
-built so far) exceeds the limit in idempotency.settings named by setting (max_request_bytes,
-max_response_bytes or max_headers_bytes).';
+built so far; with nesting, of the arrays and objects enclosing the one being canonicalized,
+against 8 times the limit) exceeds the limit in idempotency.settings named by setting
+(max_request_bytes, max_response_bytes or max_headers_bytes).';
 
 -- sql/functions/_raw_size.sql
 -- The size of a jsonb as the caller means it: its uncompressed size, whatever its origin. A
@@ -178,6 +193,7 @@ COMMENT ON FUNCTION idempotency._name_ok(text) IS
 'Internal: true when value passes idempotency._check_name, false or NULL (for NULL) when it
 does not (inlined into callers, which coalesce it to false).';
 
+DROP FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean);
 -- sql/functions/_canonical_json.sql
 -- The canonical text of a JSON value, the input of fingerprint(). Defined exactly in
 -- docs/fingerprint.md so that a client in any language can compute the same bytes:
@@ -205,11 +221,23 @@ does not (inlined into callers, which coalesce it to false).';
 -- 64 KiB. So STABLE (it was IMMUTABLE before 0.12.0): whether a value is refused depends on a
 -- table.
 --
+-- Nesting repeats a value in memory: jsonb_each and jsonb_array_elements copy each member
+-- into a datum of its own, and each level's query stays open while the levels below it are
+-- built, so every array and object on the path to the one being built holds a copy of what it
+-- encloses (128 arrays around 880 KB, within every other limit, took about 380 MB of one
+-- backend). enclosing is the sum of the sizes (pg_column_size) of the arrays and objects
+-- enclosing this one; with this one's, it is refused with IK018 (_check_size, nesting => true)
+-- above 8 times settings.max_request_bytes, which bounds the copies held to a few times that.
+-- A body of the full limit still nests 7 levels below its top (wrappers included) before it
+-- reaches it; the Python twin copies nothing and has no such bound. The sum is compared with
+-- 8 times the smallest limit allowed first, so the settings row stays off the hot path.
+--
 -- legacy => true writes every number in plain decimal, as 0.11.0 and earlier did: the form
 -- whose sha256 keys claimed before 0.12.0 hold, which claim() recognises (_legacy_fingerprint
 -- calls it only after computing, without expanding anything, that the text fits the limit).
-CREATE OR REPLACE FUNCTION idempotency._canonical_json(
-    value jsonb, fn text, argument text, depth integer, legacy boolean
+CREATE FUNCTION idempotency._canonical_json(
+    value jsonb, fn text, argument text, depth integer, legacy boolean,
+    enclosing bigint DEFAULT 0
 )
 RETURNS text
 LANGUAGE plpgsql
@@ -220,11 +248,22 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_text text;
+    v_held bigint;  -- the copies held on the path to this value, this one's included
 BEGIN
     IF _canonical_json.depth > 128 THEN
         PERFORM idempotency._invalid_argument(
             _canonical_json.fn, _canonical_json.argument, 'IK014',
             'must not nest arrays and objects more than 128 deep');
+    END IF;
+    IF _canonical_json.depth > 1 THEN
+        -- (At the top the callers have measured the value, uncompressed, against the limit.)
+        v_held := _canonical_json.enclosing + pg_column_size(_canonical_json.value);
+        IF v_held > 8 * 65536 THEN
+            PERFORM idempotency._check_size(_canonical_json.fn, _canonical_json.argument,
+                                            v_held, 'max_request_bytes', nesting => true);
+        END IF;
+    ELSE
+        v_held := pg_column_size(_canonical_json.value)::bigint;
     END IF;
     CASE jsonb_typeof(_canonical_json.value)
         WHEN 'object' THEN
@@ -241,10 +280,10 @@ BEGIN
                         END
                         WHEN 'object' THEN idempotency._canonical_json(
                             m.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         WHEN 'array' THEN idempotency._canonical_json(
                             m.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         ELSE m.value::text
                     END,
                     ',' ORDER BY m.key COLLATE "C")
@@ -264,10 +303,10 @@ BEGIN
                         END
                         WHEN 'object' THEN idempotency._canonical_json(
                             e.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         WHEN 'array' THEN idempotency._canonical_json(
                             e.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         ELSE e.value::text
                     END,
                     ',' ORDER BY e.ordinality)
@@ -290,9 +329,10 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean) IS
+COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean, bigint) IS
 'Internal: canonical_json() at nesting depth, for fn''s argument (which an error names); with
-legacy, numbers in plain decimal as before 0.12.0.';
+legacy, numbers in plain decimal as before 0.12.0; enclosing, the summed sizes of the arrays and
+objects around value (IK018 above 8 times settings.max_request_bytes).';
 
 -- sql/functions/canonical_json.sql
 -- The canonical text of a JSON value (docs/fingerprint.md); the work is done by

@@ -24,11 +24,23 @@
 -- 64 KiB. So STABLE (it was IMMUTABLE before 0.12.0): whether a value is refused depends on a
 -- table.
 --
+-- Nesting repeats a value in memory: jsonb_each and jsonb_array_elements copy each member
+-- into a datum of its own, and each level's query stays open while the levels below it are
+-- built, so every array and object on the path to the one being built holds a copy of what it
+-- encloses (128 arrays around 880 KB, within every other limit, took about 380 MB of one
+-- backend). enclosing is the sum of the sizes (pg_column_size) of the arrays and objects
+-- enclosing this one; with this one's, it is refused with IK018 (_check_size, nesting => true)
+-- above 8 times settings.max_request_bytes, which bounds the copies held to a few times that.
+-- A body of the full limit still nests 7 levels below its top (wrappers included) before it
+-- reaches it; the Python twin copies nothing and has no such bound. The sum is compared with
+-- 8 times the smallest limit allowed first, so the settings row stays off the hot path.
+--
 -- legacy => true writes every number in plain decimal, as 0.11.0 and earlier did: the form
 -- whose sha256 keys claimed before 0.12.0 hold, which claim() recognises (_legacy_fingerprint
 -- calls it only after computing, without expanding anything, that the text fits the limit).
 CREATE FUNCTION idempotency._canonical_json(
-    value jsonb, fn text, argument text, depth integer, legacy boolean
+    value jsonb, fn text, argument text, depth integer, legacy boolean,
+    enclosing bigint DEFAULT 0
 )
 RETURNS text
 LANGUAGE plpgsql
@@ -39,11 +51,22 @@ SET search_path = pg_catalog, pg_temp
 AS $$
 DECLARE
     v_text text;
+    v_held bigint;  -- the copies held on the path to this value, this one's included
 BEGIN
     IF _canonical_json.depth > 128 THEN
         PERFORM idempotency._invalid_argument(
             _canonical_json.fn, _canonical_json.argument, 'IK014',
             'must not nest arrays and objects more than 128 deep');
+    END IF;
+    IF _canonical_json.depth > 1 THEN
+        -- (At the top the callers have measured the value, uncompressed, against the limit.)
+        v_held := _canonical_json.enclosing + pg_column_size(_canonical_json.value);
+        IF v_held > 8 * 65536 THEN
+            PERFORM idempotency._check_size(_canonical_json.fn, _canonical_json.argument,
+                                            v_held, 'max_request_bytes', nesting => true);
+        END IF;
+    ELSE
+        v_held := pg_column_size(_canonical_json.value)::bigint;
     END IF;
     CASE jsonb_typeof(_canonical_json.value)
         WHEN 'object' THEN
@@ -60,10 +83,10 @@ BEGIN
                         END
                         WHEN 'object' THEN idempotency._canonical_json(
                             m.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         WHEN 'array' THEN idempotency._canonical_json(
                             m.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         ELSE m.value::text
                     END,
                     ',' ORDER BY m.key COLLATE "C")
@@ -83,10 +106,10 @@ BEGIN
                         END
                         WHEN 'object' THEN idempotency._canonical_json(
                             e.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         WHEN 'array' THEN idempotency._canonical_json(
                             e.value, _canonical_json.fn, _canonical_json.argument,
-                            _canonical_json.depth + 1, _canonical_json.legacy)
+                            _canonical_json.depth + 1, _canonical_json.legacy, v_held)
                         ELSE e.value::text
                     END,
                     ',' ORDER BY e.ordinality)
@@ -109,6 +132,7 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean) IS
+COMMENT ON FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean, bigint) IS
 'Internal: canonical_json() at nesting depth, for fn''s argument (which an error names); with
-legacy, numbers in plain decimal as before 0.12.0.';
+legacy, numbers in plain decimal as before 0.12.0; enclosing, the summed sizes of the arrays and
+objects around value (IK018 above 8 times settings.max_request_bytes).';

@@ -19,6 +19,8 @@
 --   the clock, schedule_maintenance, unschedule_maintenance and the status reads. maintain(),
 --   key_status() and partition_status() become SECURITY DEFINER for it (CREATE OR REPLACE
 --   keeps their grants).
+-- - _canonical_json counts the copies a deep value holds (enclosing): IK018 above 8 times
+--   max_request_bytes.
 -- No table changes; no data moves.
 
 DROP FUNCTION idempotency._check_canonical_size(text, text, integer);
@@ -26,7 +28,8 @@ DROP FUNCTION idempotency._check_size(text, text, integer, text);
 -- @include functions/_check_size.sql
 -- @include functions/_raw_size.sql
 -- @replace functions/_name_ok.sql
--- @replace functions/_canonical_json.sql
+DROP FUNCTION idempotency._canonical_json(jsonb, text, text, integer, boolean);
+-- @include functions/_canonical_json.sql
 -- @replace functions/canonical_json.sql
 -- @replace functions/fingerprint.sql
 -- @replace functions/claim.sql

@@ -11,6 +11,9 @@
 * The canonical text is measured against settings.max_request_bytes as it is built: a value
   within the limit as jsonb whose text is over it is refused with IK018 naming the argument,
   at the first array or object over the limit, before the rest is built.
+* A large value nested deep (each enclosing array and object holds a copy of it) is refused
+  with IK018 once those copies pass 8 times the limit, in bounded memory; a body of nearly the
+  limit in a few wrapper objects is accepted, with Python's fingerprint.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import psycopg
 import pytest
 from helpers import login_roles
 
+from pg_idempotency.fingerprint import fingerprint, loads
 from pgharness import PgServer
 
 MIB = 1024 * 1024
@@ -174,3 +178,65 @@ def test_the_canonical_text_is_measured_while_it_is_built(server: PgServer, db: 
                            (text,)).fetchone() == ("claimed",)
         assert len(app.execute("SELECT idempotency.canonical_json(%s::jsonb)",
                                (text,)).fetchone()[0]) == 3 * 1_080_004 + 4
+
+
+# Growth of a backend's peak memory (VmHWM), in kB, for a value nested deep around a big one.
+# Each array and object on the path holds its own copy of what it encloses while the deeper
+# levels are built; before the nesting budget, 128 arrays around 880 KB took about 380 MB.
+NESTING_BOUND_KB = 48 * 1024
+
+
+def test_a_big_value_nested_deep_is_refused_in_bounded_memory(server: PgServer,
+                                                              db: str) -> None:
+    """128 arrays around 880 KB: within the limit as jsonb and as canonical text, but every
+    enclosing array holds a copy of the 880 KB. Refused with IK018 naming the argument once
+    the copies held pass 8 times settings.max_request_bytes, its DETAIL saying so."""
+    text = "[" * 128 + json.dumps("x" * 880_000) + "]" * 128
+    with psycopg.connect(db, autocommit=True) as owner, \
+            login_roles(server, db, "request") as (role,):
+        owner.execute("SELECT idempotency._premake()")
+        assert owner.execute("SELECT pg_column_size(%s::jsonb)", (text,)).fetchone()[0] < MIB
+        results = []
+        for query in ["SELECT idempotency.canonical_json(%s::jsonb)",
+                      "SELECT idempotency.fingerprint(%s::jsonb)",
+                      "SELECT idempotency.claim('s', 'k', %s::jsonb)"]:
+            got, code, seconds, grown = measured(db, role, query, (text,))
+            print(f"{query}: {code} {seconds:.3f} s, VmHWM +{grown} kB")
+            results.append(((code, got), seconds, grown))
+        for query_result, seconds, grown in results:
+            assert query_result[0] == "IK018", query_result
+            assert seconds < CALL_BOUND and grown < NESTING_BOUND_KB, (seconds, grown)
+        assert [r[0][1] for r in results] == ["value", "request", "request"]
+        with psycopg.connect(db, user=role, autocommit=True) as app, \
+                pytest.raises(psycopg.Error) as caught:
+            app.execute("SELECT idempotency.canonical_json(%s::jsonb)", (text,))
+        detail = caught.value.diag.message_detail or ""
+        assert "nest" in detail and "8 times settings.max_request_bytes" in detail, detail
+        assert owner.execute("SELECT count(*) FROM idempotency.keys").fetchone() == (0,)
+
+
+def test_a_big_body_in_a_few_wrappers_is_accepted(server: PgServer, db: str) -> None:
+    """A body of nearly 1 MiB, itself an object holding an array of objects, wrapped in 3
+    objects (as an adapter wraps a body with its method and path): accepted, with Python's
+    fingerprint, in bounded memory."""
+    items = [{"id": i, "name": f"item {i}", "tags": ["a", "b"], "price": i / 4}
+             for i in range(9_000)]
+    body = {"data": {"items": items}}
+    value = {"outer": {"middle": {"inner": body}}}
+    text = json.dumps(value)
+    with psycopg.connect(db, autocommit=True) as owner, \
+            login_roles(server, db, "request") as (role,):
+        owner.execute("SELECT idempotency._premake()")
+        size = owner.execute("SELECT pg_column_size(%s::jsonb)", (text,)).fetchone()[0]
+        assert 0.8 * MIB < size < MIB, size
+        expected = fingerprint(loads(text))
+        digest, code, seconds, grown = measured(
+            db, role, "SELECT idempotency.fingerprint(%s::jsonb)", (text,))
+        print(f"fingerprint: jsonb {size} B, {seconds:.3f} s, VmHWM +{grown} kB")
+        assert code is None and bytes(digest) == expected
+        assert seconds < CALL_BOUND and grown < MEMORY_BOUND_KB, (seconds, grown)
+        outcome, code, seconds, grown = measured(
+            db, role, "SELECT outcome FROM idempotency.claim('s', 'k', %s::jsonb)", (text,))
+        print(f"claim: {outcome or code} {seconds:.3f} s, VmHWM +{grown} kB")
+        assert (outcome, code) == ("claimed", None)
+        assert seconds < CALL_BOUND and grown < MEMORY_BOUND_KB, (seconds, grown)
