@@ -287,10 +287,16 @@ async def _until_claimed(db: str, key: str) -> None:
 
 # -- the defects of issue 12: aborted uploads, options, the pool ------------------------------
 
-def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], **options: Any) -> Starlette:
-    """POST /n (key required): inserts the JSON body's note on op.conn; status from the body."""
+def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], barrier: int = 0,
+               **options: Any) -> Starlette:
+    """POST /n (key required): inserts the JSON body's note on op.conn; status from the body.
+    With ``barrier``, a handler asked for a second connection first waits (a bounded time) until
+    that many handlers hold their transaction's connection: the connections are taken in the
+    order a deadlock needs, whatever the machine's load."""
     with psycopg.connect(db, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS notes (body text)")
+    holding: list[int] = []
+    all_holding = asyncio.Event()
 
     async def note(request: Request) -> Response:
         op = get_operation(request)
@@ -299,6 +305,14 @@ def _notes_app(db: str, pool: AsyncConnectionPool, calls: list[Any], **options: 
         calls.append(data)
         await op.conn.execute("INSERT INTO notes VALUES (%s)", (data["note"],))
         if data.get("second_connection"):
+            if barrier:
+                holding.append(1)
+                if len(holding) >= barrier:
+                    all_holding.set()
+                try:
+                    await asyncio.wait_for(all_holding.wait(), WAIT_BOUND)
+                except TimeoutError:
+                    pass  # the assertions below say what happened instead
             async with pool.connection() as other:  # the same pool the middleware holds from
                 await other.execute("SELECT pg_sleep(0.05)")
         return JSONResponse({"note": data["note"]}, status_code=int(data.get("status", 201)))
@@ -461,7 +475,7 @@ async def test_second_connection_from_the_middlewares_pool(db: str) -> None:
     safe_pool = AsyncConnectionPool(db, min_size=1, max_size=4, timeout=WAIT_BOUND, open=False)
     pool = AsyncConnectionPool(db, min_size=1, max_size=4, timeout=1, open=False)
     safe = _notes_app(db, safe_pool, calls)
-    unsafe = _notes_app(db, pool, calls, pool_reserve=0)
+    unsafe = _notes_app(db, pool, calls, barrier=4, pool_reserve=0)
     await safe_pool.open()
     await pool.open()
     try:
