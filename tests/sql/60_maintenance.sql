@@ -14,8 +14,10 @@ RETURNS timestamptz
 LANGUAGE sql
 STABLE
 AS $$
-    SELECT date_bin('1 day', m.applied_at, timestamptz '2000-01-01 00:00:00+00')
-           + (n - 1000) * interval '1 day'
+    -- Days added in UTC: added to a timestamptz they follow the session's TimeZone, whose
+    -- daylight-saving changes would move a day by an hour.
+    SELECT (date_bin('1 day', m.applied_at, timestamptz '2000-01-01 00:00:00+00')
+            AT TIME ZONE 'UTC' + (n - 1000) * interval '1 day') AT TIME ZONE 'UTC'
     FROM idempotency.migrations AS m WHERE m.version = 1
 $$;
 
