@@ -138,6 +138,10 @@ class _Rollback(Exception):
     """Raised inside the atomic block to roll it back (an answer not stored, a streaming one)."""
 
 
+class _Unavailable(_Rollback):
+    """The view answered 5xx on a lost connection: an outage (503), not the view's answer."""
+
+
 class _TooLarge(_Rollback):
     """The view's answer is over MAX_RESPONSE_BYTES: roll back, release, answer 507."""
 
@@ -175,7 +179,9 @@ def _raw_connection(using: str) -> tuple[Any, Any, bool]:
                 "pg_idempotency.django: the view runs inside an atomic block, so the claim "
                 "could not commit on its own and retries would not see it. Do not wrap "
                 "idempotent views in atomic() (the decorator opens its own; with "
-                "ATOMIC_REQUESTS it marks the view non_atomic_requests). In Django's "
+                "ATOMIC_REQUESTS it marks the view non_atomic_requests; a Django REST "
+                "framework view whose method it decorates needs @method_decorator("
+                "transaction.non_atomic_requests, name='dispatch') on its class). In Django's "
                 "TestCase use pg_idempotency.django.testing (see docs/django.md).")
     elif not connection.get_autocommit():
         raise TransactionManagementError(
@@ -187,6 +193,10 @@ def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Confi
             route: http.Route) -> HttpResponse:
     try:
         response = _keyed(request, view, conf, route)
+    except _Unavailable:
+        # A 5xx the view (or an inner middleware) answered on the lost connection.
+        _forget_lost_connection(conf.using)
+        return _response(http.unavailable(conf.settings))
     except Exception as exc:
         # The database went away (refused, lost, restarting), in the claim, the view's ORM
         # or the commit: 503 with Retry-After, nothing stored, never a 500.
@@ -195,16 +205,27 @@ def _handle(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Confi
             raise
         _forget_lost_connection(conf.using)
         return _response(answer)
-    if response.status_code >= 500 and _lost(conf.using):
-        # An inner middleware made the lost connection a 500 before it reached us.
-        _forget_lost_connection(conf.using)
-        return _response(http.unavailable(conf.settings))
     return response
 
 
-def _lost(using: str) -> bool:
-    connection = connections[using]
-    return connection.connection is not None and http.lost(connection.connection)
+def _rendered(request: Any, response: HttpResponse) -> HttpResponse:
+    """The response with its content: one rendered late (a TemplateResponse, Django REST
+    framework's Response) is rendered now, so that its bytes and headers can be stored. A
+    DRF Response returned by a view method (inside ``APIView.dispatch``) has not met its
+    renderer yet: the view's ``finalize_response`` gives it one first (dispatch calls it again
+    on the rendered response, which changes nothing)."""
+    render = getattr(response, "render", None)
+    if not callable(render) or getattr(response, "is_rendered", True):
+        return response
+    context = getattr(request, "parser_context", None)
+    if not isinstance(context, Mapping):
+        context = {}
+    finalize = getattr(context.get("view"), "finalize_response", None)
+    if callable(finalize) and getattr(response, "accepted_renderer", None) is None:
+        response = finalize(request, response, *context.get("args", ()),
+                            **context.get("kwargs", {}))
+    rendered = response.render()
+    return response if rendered is None else rendered
 
 
 def _forget_lost_connection(using: str) -> None:
@@ -282,11 +303,18 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
     failed_response: HttpResponse | None = None
     try:
         with transaction.atomic(using=conf.using):
-            response = view()
+            response = _rendered(request, view())
             if getattr(response, "streaming", False):
                 raise _Rollback("a streaming response cannot be stored: do not make "
                                 "streaming views idempotent")
-            if not http.stores(conf.settings, response.status_code):
+            if response.status_code >= 500 and http.lost(conn):
+                # The view's statement lost the connection and something between it and us
+                # (Django's handler, an inner middleware) made that a 500: an outage.
+                raise _Unavailable(response.status_code)
+            if not http.stores(conf.settings, response.status_code) or \
+                    transaction.get_rollback(using=conf.using):
+                # Or the view marked the transaction for rollback (set_rollback(True)): the
+                # stored response would roll back with it and leave the key in progress.
                 failed_response = response
                 raise _Rollback(response.status_code)
             if len(response.content) > conf.settings.max_response_bytes:
@@ -305,6 +333,8 @@ def _execute(request: HttpRequest, view: Callable[[], HttpResponse], conf: _Conf
     except BaseException as exc:
         if not completed:
             _release_after_failure(connection, conn, conf, state, token)
+        if isinstance(exc, _Unavailable):
+            raise
         if isinstance(exc, _TooLarge):
             return _response(http.response_too_large(conf.settings))
         if isinstance(exc, _Rollback) and failed_response is not None:
@@ -327,6 +357,12 @@ def _release_after_failure(connection: Any, conn: Any, conf: _Config, state: Ide
             with transaction.atomic(using=conf.using):
                 api.release(conn, state.scope, state.key, token)
         else:
+            if http.lost(conn):
+                # The view lost the connection (a backend killed, a failover): release on a
+                # new one, so that a retry runs at once instead of after the lease.
+                connection.close()
+                connection.ensure_connection()
+                conn = connection.connection
             api.release(conn, state.scope, state.key, token)  # the core logs the release
     except Exception:  # noqa: BLE001 - the view's error is the one to report
         # An unreleased key only costs the client a wait for the lease to expire.
