@@ -202,3 +202,74 @@ def write_json(path: Path | str, data: Any) -> None:
     """The figures for bench/targets.py (and for a reader): indented, strings for anything
     JSON has no type for."""
     Path(path).write_text(json.dumps(data, indent=2, default=str) + "\n")
+
+
+# -- the HTTP benchmarks (bench/http.py, bench/provider.py): app servers and a raw client --------
+
+def free_port() -> int:
+    """A loopback TCP port nothing listens on now."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def serve_uvicorn(app: Any, port: int) -> None:
+    """Run ``app`` under one uvicorn worker on 127.0.0.1:``port`` until killed (httptools when
+    installed: the parser a production install uses)."""
+    import importlib.util
+
+    import uvicorn
+
+    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, loop="asyncio", http=http,
+                            log_level="warning", access_log=False, lifespan="on")
+    uvicorn.Server(config).run()
+
+
+def wait_listening(servers: dict[str, tuple[subprocess.Popen[bytes], int]],
+                   seconds: float = 60) -> None:
+    """Return once every server process accepts connections on its port; exit the benchmark
+    when one exits or does not listen within ``seconds``."""
+    import socket
+    import time
+
+    for variant, (proc, port) in servers.items():
+        deadline = time.monotonic() + seconds
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the {variant} server exited with {proc.returncode}")
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"the {variant} server did not start") from None
+                time.sleep(0.05)
+
+
+async def read_response(reader: Any) -> tuple[int, dict[bytes, bytes], bytes]:
+    """One HTTP/1.1 response from an asyncio StreamReader: status, headers (lower-case names),
+    body (by Content-Length, chunked, or to the end)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head[:-4].split(b"\r\n")
+    status = int(lines[0].split(b" ", 2)[1])
+    headers = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        headers[name.strip().lower()] = value.strip()
+    if b"content-length" in headers:
+        body = await reader.readexactly(int(headers[b"content-length"]))
+    elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
+        parts = []
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
+            parts.append(await reader.readexactly(size + 2))
+            if size == 0:
+                break
+        body = b"".join(p[:-2] for p in parts)
+    else:
+        body = await reader.read()
+    return status, headers, body

@@ -93,7 +93,6 @@ import hashlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import random  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -242,41 +241,10 @@ def make_app(variant: str, dsn: str, pool_size: int) -> Any:
 
 
 def serve(variant: str, dsn: str, port: int, pool_size: int) -> None:
-    import importlib.util
-
-    import uvicorn
-
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    config = uvicorn.Config(make_app(variant, dsn, pool_size), host="127.0.0.1", port=port,
-                            loop="asyncio", http=http, log_level="warning", access_log=False,
-                            lifespan="on")
-    uvicorn.Server(config).run()
+    common.serve_uvicorn(make_app(variant, dsn, pool_size), port)
 
 
 # -- the load generator (a subprocess: bench/http.py --client JSON) -----------------------------
-
-async def read_response(reader: asyncio.StreamReader) -> tuple[int, dict[bytes, bytes], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head[:-4].split(b"\r\n")
-    status = int(lines[0].split(b" ", 2)[1])
-    headers = {}
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        headers[name.strip().lower()] = value.strip()
-    if b"content-length" in headers:
-        body = await reader.readexactly(int(headers[b"content-length"]))
-    elif headers.get(b"transfer-encoding", b"").lower() == b"chunked":
-        parts = []
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).split(b";")[0], 16)
-            parts.append(await reader.readexactly(size + 2))
-            if size == 0:
-                break
-        body = b"".join(p[:-2] for p in parts)
-    else:
-        body = await reader.read()
-    return status, headers, body
-
 
 async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
     port, prefix = cfg["port"], cfg["prefix"]
@@ -309,7 +277,7 @@ async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
                 started = time.perf_counter()
                 writer.write(request)
                 try:
-                    status, headers, _content = await read_response(reader)
+                    status, headers, _content = await common.read_response(reader)
                 except (asyncio.IncompleteReadError, ConnectionError):
                     state["errors"] += 1
                     writer.close()
@@ -357,33 +325,16 @@ async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # -- the driver ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_servers(dsn: str, pool_size: int, prepared: bool
                   ) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
     servers = {}
     for variant in VARIANTS:
-        port = free_port()
+        port = common.free_port()
         opt_in = ["--prepared"] if prepared and variant == "middleware" else []
         proc = subprocess.Popen([sys.executable, str(SELF), "--serve", variant, "--dsn", dsn,
                                  "--port", str(port), "--pool", str(pool_size), *opt_in])
         servers[variant] = (proc, port)
-    for variant, (proc, port) in servers.items():
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the {variant} server exited with {proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the {variant} server did not start") from None
-                time.sleep(0.05)
+    common.wait_listening(servers)
     return servers
 
 

@@ -67,7 +67,6 @@ import argparse  # noqa: E402
 import asyncio  # noqa: E402
 import hashlib  # noqa: E402
 import json  # noqa: E402
-import socket  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import time  # noqa: E402
@@ -182,30 +181,10 @@ def make_app(variant: str, dsn: str, pool_size: int) -> Any:
 
 
 def serve(variant: str, dsn: str, port: int, pool_size: int) -> None:
-    import importlib.util
-
-    import uvicorn
-
-    http = "httptools" if importlib.util.find_spec("httptools") else "h11"
-    config = uvicorn.Config(make_app(variant, dsn, pool_size), host="127.0.0.1", port=port,
-                            loop="asyncio", http=http, log_level="warning", access_log=False,
-                            lifespan="on")
-    uvicorn.Server(config).run()
+    common.serve_uvicorn(make_app(variant, dsn, pool_size), port)
 
 
 # -- the load generator (a subprocess: bench/provider.py --client JSON) -------------------------
-
-async def read_response(reader: asyncio.StreamReader) -> int:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head[:-4].split(b"\r\n")
-    length = 0
-    for line in lines[1:]:
-        name, _, value = line.partition(b":")
-        if name.strip().lower() == b"content-length":
-            length = int(value)
-    await reader.readexactly(length)
-    return int(lines[0].split(b" ", 2)[1])
-
 
 async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
     port, prefix = cfg["port"], cfg["prefix"]
@@ -231,7 +210,7 @@ async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
                            + b"\r\nIdempotency-Key: " + key + b"\r\n\r\n" + body)
                 started = time.perf_counter()
                 writer.write(request)
-                status = await read_response(reader)
+                status, _headers, _body = await common.read_response(reader)
                 if state["measuring"]:
                     latencies.append(time.perf_counter() - started)
                     statuses[status] += 1
@@ -261,33 +240,16 @@ async def load_client(cfg: dict[str, Any]) -> dict[str, Any]:
 
 # -- the driver ---------------------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]  # type: ignore[no-any-return]
-
-
 def start_servers(dsn: str, args: argparse.Namespace
                   ) -> dict[str, tuple[subprocess.Popen[bytes], int]]:
     servers = {}
     for variant in args.variants:
-        port = free_port()
+        port = common.free_port()
         tree = ["--tree", str(args.baseline)] if variant == "baseline" else []
         proc = subprocess.Popen([sys.executable, str(SELF), "--serve", variant, "--dsn", dsn,
                                  "--port", str(port), "--pool", str(args.pool), *tree])
         servers[variant] = (proc, port)
-    for variant, (proc, port) in servers.items():
-        deadline = time.monotonic() + 60
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"the {variant} server exited with {proc.returncode}")
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    raise SystemExit(f"the {variant} server did not start") from None
-                time.sleep(0.05)
+    common.wait_listening(servers)
     return servers
 
 
