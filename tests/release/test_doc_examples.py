@@ -239,7 +239,7 @@ def test_django_page(payments: PgServer, tmp_path: Path) -> None:
     (project / "ledger" / "views.py").write_text(
         block("django.md", "python", "def create_payment(request)"))
     (project / "payments_site" / "urls.py").write_text(
-        block("django.md", "python", "urlpatterns = "))
+        block("django.md", "python", 'urlpatterns = [path("payments/", create_payment)]'))
     owner_sql = block("django.md", "sql", "ALL TABLES IN SCHEMA public")
     (project / "owner.sql").write_text(owner_sql)
     sh(block("django.md", "", "makemigrations ledger"), project, env)
