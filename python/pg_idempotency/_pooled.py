@@ -284,6 +284,12 @@ class PooledAsyncConnection:
     def closed(self) -> bool:
         return self._hold.conn is not None and self._hold.conn.closed
 
+    @property
+    def starved(self) -> bool:
+        """The pool had no connection free in time for the operation (a handler's 500 made of
+        that is a 503)."""
+        return self._hold.timed_out
+
     def __getattr__(self, name: str) -> Any:
         conn = self._hold.conn
         if conn is None:
@@ -470,6 +476,12 @@ class PooledConnection:
     @property
     def closed(self) -> bool:
         return self._hold.conn is not None and self._hold.conn.closed
+
+    @property
+    def starved(self) -> bool:
+        """The pool had no connection free in time for the operation (a handler's 500 made of
+        that is a 503)."""
+        return self._hold.timed_out
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._hold.pin(f"op.conn.{name}"), name)

@@ -379,8 +379,10 @@ class IdempotencyMiddleware:
                 await _send(send, http.response_too_large(self.settings))
                 return
             if isinstance(exc, _Rollback) and start is not None:
-                if http.lost(op.conn):  # the framework answered 500 for a lost connection
-                    await _send(send, http.unavailable(self.settings))
+                # the framework answered 500 for a lost connection or an exhausted pool
+                failed = http.failed_for_the_database(self.settings, op.conn)
+                if failed is not None:
+                    await _send(send, failed)
                     return
                 await _send_raw(send, start["status"], start.get("headers", []), chunks)
                 return

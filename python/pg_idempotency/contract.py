@@ -91,7 +91,7 @@ __all__ = ["CANONICAL_GROWTH", "DEFAULT_REPLAY_HEADERS", "Answer", "BodyReader",
            "Keyed", "Policy", "Route", "Routes", "Settings", "content_too_long", "keyed_request",
            "read_body", "repeated_key", "response_too_large", "too_large", "too_large_answer",
            "aclaim_waiting", "body_complete", "chunked_without_length", "claim_answer",
-           "claim_waiting", "guarded", "length_required",
+           "claim_waiting", "failed_for_the_database", "guarded", "length_required",
            "handling_of", "in_progress", "incomplete_body", "no_connection", "outage", "problem",
            "parse_key", "read_key", "register_guard", "request_fingerprint", "start",
            "stored_answer", "stored_parts", "stores", "taken_over", "unavailable",
@@ -195,6 +195,19 @@ def lost(conn: Any) -> bool:
     saw the exception)."""
     return conn is not None and bool(getattr(conn, "broken", False) or
                                      getattr(conn, "closed", False))
+
+
+def failed_for_the_database(settings: Settings, conn: Any) -> Answer | None:
+    """What a handler's own 5xx (the framework answered it before the adapter saw the error)
+    means when ``conn``, the operation's connection, failed it: 503 :func:`unavailable` when it
+    was lost, 503 :func:`no_connection` when the pool had none free in time for the handler's
+    first statement (an operation over a pool takes its connection there); None when the
+    database had no part in it (the handler's 5xx is sent as it is)."""
+    if lost(conn):
+        return unavailable(settings)
+    if getattr(conn, "starved", False):
+        return no_connection(settings)
+    return None
 
 
 def outage(settings: Settings, exc: BaseException | None, conn: Any = None) -> Answer | None:

@@ -183,8 +183,9 @@ class _Keyed:
             if isinstance(exc, _TooLarge):
                 return http.response_too_large(self.settings)
             if isinstance(exc, _Rollback):
-                # a 500 made of a lost connection (Flask answered it before we saw the error)
-                return http.unavailable(self.settings) if http.lost(op.conn) else out
+                # a 500 made of a lost connection or an exhausted pool (Flask answered it
+                # before we saw the error)
+                return http.failed_for_the_database(self.settings, op.conn) or out
             raise
         stored, content_type = http.stored_parts(self.settings, out.headers)
         try:

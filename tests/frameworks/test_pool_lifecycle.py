@@ -435,3 +435,129 @@ def test_wsgi_retry_storm_with_kills(db: str) -> None:
     assert _ledger(db) == sorted(intents), "duplicates or lost payments"
     for intent, bodies in answers.items():
         assert len(bodies) == 2 and len(set(bodies)) == 1, (intent, bodies)
+
+
+# -- a first statement that finds no connection free in time ----------------------------------
+
+def _starving_flask_app(pool: ConnectionPool, middleware: bool,
+                        steps: dict[str, threading.Event]) -> flask.Flask:
+    app = flask.Flask(__name__)
+
+    def pay() -> flask.Response:
+        op = pg_flask.get_operation()
+        assert op is not None
+        data = flask.request.get_json()
+        if data.get("starve"):
+            steps["claimed"].set()
+            steps["held"].wait(WAIT_BOUND)  # the test holds the pool's only connection
+            try:
+                op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (data["intent"],))
+            finally:  # PoolTimeout: Flask makes it its 500, once the pool has one again
+                steps["starved"].set()
+                steps["freed"].wait(WAIT_BOUND)
+        op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (data["intent"],))
+        return flask.Response(_answer(data["intent"]), status=201,
+                              content_type="application/json")
+
+    if middleware:
+        app.add_url_rule("/pay", "pay", pay, methods=["POST"])
+        app.wsgi_app = pg_flask.IdempotencyMiddleware(  # type: ignore[method-assign]
+            app.wsgi_app, pool=pool, scope=lambda environ: "acct",
+            routes={"POST /pay": "required"})
+    else:
+        idem = pg_flask.Idempotency(pool, scope=lambda r: "acct")
+        app.add_url_rule("/pay", "pay", idem.idempotent(pay), methods=["POST"])
+    return app
+
+
+def _assert_starved_answer(status: int, headers: Any, body: bytes) -> None:
+    assert status == 503, body
+    assert headers["content-type"] == "application/problem+json"
+    assert int(headers["retry-after"]) >= 1
+    assert json.loads(body)["title"] == "No database connection"
+
+
+@pytest.mark.parametrize("middleware", [False, True], ids=["decorator", "middleware"])
+def test_flask_view_without_a_free_connection_answers_503(db: str, middleware: bool) -> None:
+    """The view's first statement finds the pool's only connection taken (PoolTimeout) and
+    Flask answers its 500; by the time the adapter rolls back and releases, the pool has one
+    again (a server back from a restart). That 500 is the pool's doing: 503 "No database
+    connection" with Retry-After, nothing written, the key released (the retry runs at once,
+    201, one ledger row), the pool idle."""
+    _setup(db)
+    pool = ConnectionPool(db, min_size=1, max_size=1, timeout=0.3, open=True)
+    steps = {name: threading.Event() for name in ("claimed", "held", "starved", "freed")}
+    client = _starving_flask_app(pool, middleware, steps).test_client()
+    headers = {"Idempotency-Key": "s1"}
+    try:
+        with ThreadPoolExecutor(1) as executor:
+            answer = executor.submit(client.post, "/pay", json={"intent": "s1", "starve": True},
+                                     headers=headers)
+            assert steps["claimed"].wait(WAIT_BOUND)
+            held = pool.getconn()
+            steps["held"].set()
+            assert steps["starved"].wait(WAIT_BOUND)
+            pool.putconn(held)
+            steps["freed"].set()
+            first = answer.result(WAIT_BOUND)
+        _assert_starved_answer(first.status_code, first.headers, first.data)
+        assert _ledger(db) == []
+        retry = client.post("/pay", json={"intent": "s1"}, headers=headers)
+        assert retry.status_code == 201, retry.data
+        _assert_clean(db, pool)
+    finally:
+        pool.close()
+    assert _ledger(db) == ["s1"]
+
+
+@pytest.mark.anyio
+async def test_asgi_handler_without_a_free_connection_answers_503(db: str) -> None:
+    """:func:`test_flask_view_without_a_free_connection_answers_503` for the ASGI middleware,
+    whose handler catches the PoolTimeout and answers 500 itself."""
+    _setup(db)
+    pool = AsyncConnectionPool(db, min_size=1, max_size=1, timeout=0.3, open=False)
+    steps = {name: asyncio.Event() for name in ("claimed", "held", "starved", "freed")}
+
+    async def pay(request: Request) -> Response:
+        op = pg_asgi.get_operation(request)
+        assert op is not None
+        data = json.loads(await request.body())
+        if data.get("starve"):
+            steps["claimed"].set()
+            await steps["held"].wait()
+            try:
+                await op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)",
+                                      (data["intent"],))
+            except Exception:  # noqa: BLE001 - the app's own catch-all
+                steps["starved"].set()
+                await steps["freed"].wait()
+                return Response(b"internal error", status_code=500)
+        await op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (data["intent"],))
+        return Response(_answer(data["intent"]), status_code=201,
+                        media_type="application/json")
+
+    app = pg_asgi.IdempotencyMiddleware(
+        Starlette(routes=[Route("/pay", pay, methods=["POST"])]), pool=pool,
+        scope=lambda r: "acct", routes={"POST /pay": "required"})
+    await pool.open(wait=True)
+    headers = {"Idempotency-Key": "a1"}
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=WAIT_BOUND) as client:
+            answer = asyncio.create_task(
+                client.post("/pay", json={"intent": "a1", "starve": True}, headers=headers))
+            await asyncio.wait_for(steps["claimed"].wait(), WAIT_BOUND)
+            held = await pool.getconn()
+            steps["held"].set()
+            await asyncio.wait_for(steps["starved"].wait(), WAIT_BOUND)
+            await pool.putconn(held)
+            steps["freed"].set()
+            first = await answer
+            _assert_starved_answer(first.status_code, first.headers, first.content)
+            assert _ledger(db) == []
+            retry = await client.post("/pay", json={"intent": "a1"}, headers=headers)
+            assert retry.status_code == 201, retry.text
+        await _await_clean(db, pool)
+    finally:
+        await pool.close()
+    assert _ledger(db) == ["a1"]
