@@ -51,7 +51,7 @@ __all__ = [
     "IdempotencyError", "InvalidArgument", "IsolationNotSupported", "KeyExpired", "KeyInProgress",
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
     "PgCronNotInstalled", "ScopeNotGranted", "UsageError", "argument_too_large",
-    "connection_lost", "from_psycopg", "invalid_argument", "is_unavailable",
+    "connection_lost", "from_psycopg", "from_sqlstate", "invalid_argument", "is_unavailable",
 ]
 
 
@@ -62,7 +62,7 @@ class IdempotencyError(Exception):
     sqlstate: str | None = None
 
     def __init__(self, message: str, *, detail: str | None = None, hint: str | None = None,
-                 pgerror: psycopg.Error | None = None) -> None:
+                 pgerror: BaseException | None = None) -> None:
         super().__init__(message)
         self.detail = detail
         self.hint = hint
@@ -370,13 +370,23 @@ def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
     unreachable database), or ``exc`` itself for any other. ``lease_token=True`` says the
     failed call took a lease token: its IK003 and IK004 become the :class:`LeaseLost`
     subclasses."""
-    state = exc.sqlstate
     if is_unavailable(exc):
         reason = str(exc).strip() or type(exc).__name__
         return DatabaseUnavailable(f"the database is unavailable: {reason}", pgerror=exc)
     diag = exc.diag
-    message = diag.message_primary or str(exc)
-    detail, hint = diag.message_detail, diag.message_hint
+    return from_sqlstate(exc, exc.sqlstate, diag.message_primary or str(exc),
+                         detail=diag.message_detail, hint=diag.message_hint,
+                         column=diag.column_name, lease_token=lease_token)
+
+
+def from_sqlstate(exc: Exception, sqlstate: str | None, message: str, *,
+                  detail: str | None = None, hint: str | None = None,
+                  column: str | None = None, lease_token: bool = False) -> Exception:
+    """:func:`from_psycopg` for an error of any driver, given its fields: the
+    :class:`IdempotencyError` for an engine SQLSTATE (``exc`` kept as its ``pgerror``), or
+    ``exc`` itself for any other. ``column`` is the error's COLUMN field (the argument's
+    name). Whether the database was reachable is the caller's to decide first."""
+    state = sqlstate
     if lease_token and state in _LEASE_LOST_BY_SQLSTATE:
         return _LEASE_LOST_BY_SQLSTATE[state](message, detail=detail, hint=hint, pgerror=exc)
     if state in _BY_SQLSTATE:
@@ -385,7 +395,7 @@ def from_psycopg(exc: psycopg.Error, *, lease_token: bool = False) -> Exception:
         function = message.split(":", 1)[0] if ":" in message else ""
         # The COLUMN field names the argument; Citus passes an error raised on a worker on
         # without it (docs/scale-out.md), and the message names it too.
-        argument = diag.column_name
+        argument = column
         if argument is None:
             found = _ARGUMENT_RE.search(message)
             argument = found.group(1) if found else None
