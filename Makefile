@@ -64,6 +64,8 @@ PKG_VERSION := $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
 WHEEL       := dist/pg_idempotency-$(PKG_VERSION)-py3-none-any.whl
 SDIST       := dist/pg_idempotency-$(PKG_VERSION).tar.gz
 EXT_TARBALL := dist/pg_idempotency-$(PKG_VERSION)-extension.tar.gz
+# The extension's pg_tle registration (docs/managed.md), from the same build/extension/.
+TLE_SQL := dist/pg_idempotency-$(PKG_VERSION)-pg_tle.sql
 WHEEL_VENV  := build/wheel-venv
 
 # The Node.js conformance runner's packages, exactly as package-lock.json pins them.
@@ -263,11 +265,12 @@ bench: setup
 	cp build/bench/cpu.png docs/benchmarks-cpu.png
 
 # The sdist, then the wheel built from the sdist (so a file missing from the sdist fails
-# here), and build/extension/ as a tarball. Only the build frontend and the build backend are
-# installed for it (build/dist-venv: build and hatchling, made once), not the test toolchain
-# of .venv: make dist needs neither root nor the tests' packages.
+# here), build/extension/ as a tarball and its pg_tle registration. Only the build frontend
+# and the build backend are installed for it (build/dist-venv: build and hatchling, made
+# once), not the test toolchain of .venv: make dist needs neither root nor the tests'
+# packages.
 DIST_VENV := build/dist-venv
-dist: $(WHEEL) $(EXT_TARBALL)
+dist: $(WHEEL) $(EXT_TARBALL) $(TLE_SQL)
 $(DIST_VENV)/.installed:
 	rm -rf $(DIST_VENV) && mkdir -p build
 	$(PYTHON) -m venv $(DIST_VENV)
@@ -283,6 +286,8 @@ $(EXT_TARBALL): $(shell find sql migrations -type f 2>/dev/null) python/pg_idemp
 	$(PYTHON) tools/build.py
 	@mkdir -p dist
 	tar -C build -czf $@ extension
+$(TLE_SQL): $(EXT_TARBALL) tools/build_pg_tle.py
+	$(PYTHON) tools/build_pg_tle.py sql --output $@
 
 # A virtualenv with nothing but the built wheel and its demo extra (from the package index),
 # made again when the wheel changes: tests/release/test_wheel.py runs what users install.

@@ -4,8 +4,8 @@ another test module or from a conftest.py.
 tests/ is on pytest's pythonpath (pyproject.toml), so ``helpers`` and ``conformance`` import the
 same way from every folder. The package's modules, by what they serve:
 
-- ``helpers`` (this file): the checkout's paths, the migrations' psql arguments, roles and
-  SQLSTATEs: what any test against a server needs;
+- ``helpers`` (this file): the checkout's paths, the migrations' psql arguments, roles,
+  SQLSTATEs and the docs' fenced blocks: what any test against a server needs;
 - ``helpers.servers``: the session's servers (``ServerPool``, the flavours, installing
   build/extension/), used by tests/conftest.py's fixtures;
 - ``helpers.install``: scratch databases, pg_dump, the built extension put back, upgrade states;
@@ -22,6 +22,7 @@ same way from every folder. The package's modules, by what they serve:
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,6 +38,16 @@ BUILD_EXT = ROOT / "build" / "extension"
 MIGRATIONS = ROOT / "migrations"
 # One transaction per file, stop at the first error: psql -X -1 -v ON_ERROR_STOP=1 -f FILE.
 MIGRATION_PSQL_ARGS = ("-X", "-1", "-v", "ON_ERROR_STOP=1")
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.M | re.S)
+
+
+def doc_block(page: str, lang: str, starting: str) -> str:
+    """The one fenced block of docs/``page`` in ``lang`` that starts with ``starting``: the
+    tests run the docs' examples as written."""
+    found = [m.group(2) for m in _FENCE.finditer((ROOT / "docs" / page).read_text())
+             if m.group(1) == lang and m.group(2).startswith(starting)]
+    assert len(found) == 1, f"docs/{page}: {len(found)} ```{lang} blocks with {starting!r}"
+    return found[0]
 
 
 def sqlstate(target: psycopg.Connection[Any] | str, query: str, params: Any = None, *,

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import MIGRATIONS, ROOT
+from helpers import MIGRATIONS, ROOT, doc_block
 from helpers.install import latest_extension_version, reinstall_this_build
 from psycopg import sql
 
@@ -30,17 +30,13 @@ from pg_tle_server import CRON_DATABASE, shared_pg_tle_server
 from pgharness import WAIT_BOUND, PgServer
 
 DOC = ROOT / "docs" / "managed.md"
-FENCE = re.compile(r"^```(\w*)\n(.*?)^```[ \t]*$", re.M | re.S)
 VENV_BIN = Path(sys.executable).parent
 ADMIN, OWNER, APP, DB = "admin", "payments_owner", "payments_api", "payments"
 
 
 def block(lang: str, starting: str) -> str:
     """The one fenced block of docs/managed.md in ``lang`` that starts with ``starting``."""
-    found = [m.group(2) for m in FENCE.finditer(DOC.read_text())
-             if m.group(1) == lang and m.group(2).startswith(starting)]
-    assert len(found) == 1, f"docs/managed.md: {len(found)} ```{lang} blocks with {starting!r}"
-    return found[0]
+    return doc_block("managed.md", lang, starting)
 
 
 def install_md_block(starting: str) -> str:

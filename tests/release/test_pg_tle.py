@@ -12,6 +12,7 @@ it every test here fails, saying so.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import uuid
@@ -21,7 +22,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
-from helpers import ROOT, sqlstate
+from helpers import ROOT, doc_block, sqlstate
 from helpers.install import latest_extension_version
 from psycopg import sql
 
@@ -35,6 +36,7 @@ PSQL_FILE = ("-X", "-q", "-v", "ON_ERROR_STOP=1", "-1")
 NEWEST = latest_extension_version()
 # What each step of the upgrade is; the newest comes from build/extension/.
 OLD, NEXT = "0.10.0", "0.11.0"
+DUMP_AND_RESTORE = doc_block("managed.md", "sh", "pg_dump -Fc -f payments.dump")
 
 
 def registration(tmp_path: Path, through: str | None = None) -> Path:
@@ -257,3 +259,53 @@ def test_a_script_with_pg_tles_own_delimiters_is_refused_by_the_tool(tmp_path: P
          str(TOOL.parent), str(ext)], capture_output=True, text=True, timeout=WAIT_BOUND)
     assert done.returncode != 0
     assert f"{bad.name}: contains $_pgtle_i_$" in done.stderr
+
+
+def test_dump_and_restore_of_a_pg_tle_install(managed: Managed, tmp_path: Path) -> None:
+    """docs/managed.md's dump and restore as written: ``pg_dump -Fc`` of a database where the
+    owner (no superuser) installed the extension through pg_tle, restored by that owner into a
+    new database of theirs with pg_tle created: the extension at the same version, its keys
+    replaying, new keys claimed, pg_tle still holding its scripts."""
+    m = managed
+    register(m, registration(tmp_path))
+    as_owner(m, "CREATE EXTENSION pg_idempotency")
+    as_owner(m, f"CREATE ROLE {m.app} LOGIN")
+    as_owner(m, "SELECT idempotency.grant_usage(%s::regrole)", (m.app,))
+    round_trip(m, "before-dump")
+    target = f"{m.db}_r"
+    with psycopg.connect(m.server.dsn(), autocommit=True) as conn:
+        conn.execute(sql.SQL("CREATE DATABASE {} OWNER {}").format(
+            sql.Identifier(target), sql.Identifier(m.owner)))
+    with psycopg.connect(m.server.dsn(target), autocommit=True) as conn:
+        conn.execute("CREATE EXTENSION pg_tle")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}
+    env.update(PATH=f"{m.server.bindir}:/usr/bin:/bin", LC_ALL="C",
+               DATABASE_URL=m.dsn(m.owner), RESTORE_URL=m.server.dsn(target, user=m.owner))
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", DUMP_AND_RESTORE], cwd=tmp_path,
+                          env=env, capture_output=True, text=True, timeout=WAIT_BOUND)
+    try:
+        assert done.returncode == 0, f"{done.stdout}\n{done.stderr}"
+        restored = Managed(m.server, m.owner, m.app, target)
+        assert extension_version(restored) == NEWEST
+        with psycopg.connect(restored.dsn(m.app), autocommit=True) as conn:
+            assert conn.execute(
+                "SELECT outcome, response_status, response_body FROM idempotency.claim("
+                "'payments', 'before-dump', '{\"amount\": 5}')").fetchone() == (
+                    "replay", 201, {"id": 7})
+        round_trip(restored, "after-restore")
+        # pg_tle still knows the extension's scripts there: the registration run again adds
+        # nothing, DROP and CREATE EXTENSION work from them.
+        assert as_owner(restored, "SELECT default_version FROM pgtle.available_extensions() "
+                                  "WHERE name = 'pg_idempotency'") == [(NEWEST,)]
+        scripts = ("SELECT count(*) FROM pg_proc WHERE pronamespace = 'pgtle'::regnamespace "
+                   "AND proname LIKE 'pg_idempotency%'")
+        before = as_owner(restored, scripts)
+        assert before == as_owner(m, scripts)
+        register(restored, registration(tmp_path))
+        assert as_owner(restored, scripts) == before
+        as_owner(restored, "DROP EXTENSION pg_idempotency")
+        as_owner(restored, "CREATE EXTENSION pg_idempotency")
+        assert extension_version(restored) == NEWEST
+    finally:
+        with psycopg.connect(m.server.dsn(), autocommit=True) as conn:
+            conn.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(target)))
