@@ -14,7 +14,10 @@ from .errors import DEFAULT_UNAVAILABLE_RETRY_AFTER
 
 #: Headers that describe the operation's result, stored and replayed by default. Per-request
 #: headers (dates, trace ids, rate-limit counters, cookies) are not.
-DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified")
+# Allow and Vary too: frameworks set them on every answer (Django REST framework: the view's
+# methods, and Vary: Accept), and a replay without them is not the answer the client missed.
+DEFAULT_REPLAY_HEADERS = ("location", "content-location", "etag", "last-modified", "allow",
+                          "vary")
 #: Retry-After never says more than this by default (seconds), whatever the lease.
 DEFAULT_RETRY_AFTER_MAX = 2.0
 #: The default limits (bytes), the engine's defaults (idempotency.settings.max_request_bytes and

@@ -30,9 +30,7 @@ from rest_framework.views import APIView
 
 from pg_idempotency.django import idempotent
 
-REPLAY = ["location", "allow", "vary"]
 SETTINGS = {"SCOPE": "ledger.views.merchant_of", "LEASE": 30, "WAIT": 0,
-            "REPLAY_HEADERS": REPLAY,
             "ROUTES": {"POST /mw/": "required", "POST /mw-sleep/": "required",
                        "POST /django-mw/": "required"}}
 DRF = {"DEFAULT_RENDERER_CLASSES": ["rest_framework.renderers.JSONRenderer"],
