@@ -57,9 +57,9 @@ try:
 except ImportError:  # SQLAlchemy 2.0
     from sqlalchemy.util import await_only as _await
 
-from . import _exec, _wire, aio, contract
+from . import _exec, _sa_exec, _wire, aio, contract
 from ._calls import DEFAULT_LEASE
-from ._exec import Call, Gen, Query, Tx, block_outage, translate
+from ._exec import Call, Gen, Query, Tx
 from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -146,17 +146,24 @@ def _state(session: Session) -> tuple[TransactionStatus, bool]:
     return (TransactionStatus.INTRANS if busy else TransactionStatus.IDLE), False
 
 
-def _psycopg(raw: Any) -> Any:
-    if not isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection)):
-        raise UsageError("pg_idempotency.sqlalchemy needs the postgresql+psycopg dialect "
-                         f"(psycopg 3); this session's driver connection is {type(raw)!r}")
-    return raw
+#: On a psycopg session (``postgresql+psycopg``), the package's statements go to the psycopg
+#: connection under SQLAlchemy's, as the package's own API sends them: never prepared
+#: (docs/install.md, "Connection poolers"; through SQLAlchemy psycopg would prepare them after
+#: ``prepare_threshold`` uses). Every other driver gets them through ``text()``. False sends
+#: psycopg's through ``text()`` too (the tests run both ways).
+PSYCOPG_DIRECT = True
+
+
+def _direct(raw: Any) -> bool:
+    """Whether the package's statements go to the psycopg connection itself (see
+    :data:`PSYCOPG_DIRECT`)."""
+    return PSYCOPG_DIRECT and isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection))
 
 
 def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
-    """Drive a core generator on a Session: queries on the session's own psycopg connection
-    (so they are in its transaction), commit and rollback through the session (so its ORM
-    state follows, and pending objects are flushed into the same transaction)."""
+    """Drive a core generator on a Session: queries on the session's own connection (so they
+    are in its transaction), commit and rollback through the session (so its ORM state
+    follows, and pending objects are flushed into the same transaction)."""
     send = gen.send
     value: Any = None
     while True:
@@ -166,10 +173,14 @@ def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
             return stop.value
         try:
             if isinstance(request, Query):
-                raw = _psycopg(session.connection().connection.driver_connection)
-                with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
-                    cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
-                    value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
+                conn = session.connection()
+                raw = conn.connection.driver_connection
+                if _direct(raw):
+                    with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
+                        cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
+                        value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
+                else:
+                    value = _sa_exec.execute(conn, request)
                 if request.commit:  # complete(): the ORM's writes commit with it
                     with _allowing(guard):
                         session.commit()
@@ -189,7 +200,7 @@ def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001 - handed to the generator, which re-raises
-            value, send = translate(exc, request), gen.throw
+            value, send = _sa_exec.translate(exc, request), gen.throw
 
 
 async def _arun_session(session: AsyncSession, gen: Gen[Any], guard: _Guard | None) -> Any:
@@ -204,10 +215,14 @@ async def _arun_session(session: AsyncSession, gen: Gen[Any], guard: _Guard | No
         try:
             if isinstance(request, Query):
                 conn = await session.connection()
-                raw = _psycopg((await conn.get_raw_connection()).driver_connection)
-                async with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
-                    await cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
-                    value = await (cur.fetchone() if request.fetch == "one" else cur.fetchall())
+                raw = (await conn.get_raw_connection()).driver_connection
+                if _direct(raw):
+                    async with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
+                        await cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
+                        value = await (cur.fetchone() if request.fetch == "one"
+                                       else cur.fetchall())
+                else:
+                    value = await _sa_exec.aexecute(conn, request)
                 if request.commit:
                     with _allowing(guard):
                         await session.commit()
@@ -227,7 +242,7 @@ async def _arun_session(session: AsyncSession, gen: Gen[Any], guard: _Guard | No
                 value = None
             send = gen.send
         except Exception as exc:  # noqa: BLE001
-            value, send = translate(exc, request), gen.throw
+            value, send = _sa_exec.translate(exc, request), gen.throw
 
 
 @contextlib.contextmanager
@@ -238,7 +253,7 @@ def _outage() -> Iterator[None]:
     try:
         yield
     except Exception as exc:
-        lost = block_outage(exc)
+        lost = _sa_exec.block_outage(exc)
         if lost is None:
             raise
         raise lost from exc
@@ -277,7 +292,7 @@ class SessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         _run_session(self.session, self._core.g_exit(exc), None)
-        lost = block_outage(exc)
+        lost = _sa_exec.block_outage(exc)
         if lost is not None:  # a statement of the block (a flush, an execute) on a lost connection
             raise lost
 
@@ -325,7 +340,7 @@ class AsyncSessionOperation(_Common):
         if self._guard is not None:
             self._guard.close()
         await _arun_session(self.session, self._core.g_exit(exc), None)
-        lost = block_outage(exc)
+        lost = _sa_exec.block_outage(exc)
         if lost is not None:
             raise lost
 

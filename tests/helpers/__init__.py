@@ -16,7 +16,9 @@ same way from every folder. The package's modules, by what they serve:
 - ``helpers.served``: every adapter under gunicorn (sync, gthread), waitress, werkzeug's server
   and uvicorn, and a raw-socket client;
 - ``helpers.probes``: hostile session settings and the timing oracle's keys and judge;
-- ``helpers.api``: the sync/async API runner and the console script.
+- ``helpers.api``: the sync/async API runner and the console script;
+- ``helpers.sa_engines``: SQLAlchemy engines on each driver pg_idempotency.sqlalchemy is tested
+  with (psycopg, pg8000, asyncpg; psycopg's statements direct or through ``text()``).
 """
 
 from __future__ import annotations

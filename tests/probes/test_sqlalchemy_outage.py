@@ -2,10 +2,12 @@
 terminated (``pg_terminate_backend`` from another connection, waiting for it to exit) at each
 point of an operation, as the request role:
 
-- ``operation()`` on a Session and ``aoperation()`` on an AsyncSession: lost before an ORM flush
+- ``operation()`` on a Session and ``aoperation()`` on an AsyncSession, on every driver of
+  helpers.sa_engines (psycopg, psycopg through ``text()``, pg8000; async: psycopg, psycopg
+  through ``text()``, asyncpg): lost before an ORM flush
   in ``op.complete()``, before ``complete()`` itself, and under a statement of the block: the
   block raises :class:`pg_idempotency.DatabaseUnavailable` (never SQLAlchemy's
-  OperationalError), no business row exists, and the key (claimed before the loss) stays in
+  error, whatever the driver; its ``pgerror`` is the driver's own), no business row exists, and the key (claimed before the loss) stays in
   progress until its lease expires; then a retry resumes it and completes once;
 - behind the ASGI middleware with a session from ``request_session`` (the
   examples/fastapi_sqlalchemy pattern, FastAPI over real HTTP): lost in the handler's
@@ -25,11 +27,12 @@ import pytest
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse
 from helpers import login_roles
+from helpers import sa_engines as engines
 from helpers.http import uvicorn_server
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
-from sqlalchemy import String, create_engine, select, text
-from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker, create_async_engine
+from sqlalchemy import String, select, text
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 from sqlalchemy.orm import DeclarativeBase, Mapped, Session, mapped_column
 
 import pg_idempotency as idem
@@ -52,10 +55,6 @@ class Entry(Base):
 
     id: Mapped[int] = mapped_column(primary_key=True)
     intent: Mapped[str] = mapped_column(String(40))
-
-
-def url(dsn: str) -> str:
-    return "postgresql+psycopg://" + dsn.split("://", 1)[1]
 
 
 @pytest.fixture
@@ -116,12 +115,21 @@ def retry_until_completed(db: str, key: str) -> None:
 POINTS = ["before-flush", "before-complete", "in-block"]
 
 
-def test_session_operation_lost_connection_is_database_unavailable(db: str, role: str) -> None:
-    engine = create_engine(url(db), connect_args={"user": role})
+def from_driver(error: BaseException | None, flavour: str) -> bool:
+    """Whether ``error`` (DatabaseUnavailable's pgerror) is the flavour's driver's own."""
+    return error is not None and \
+        type(error).__module__.split(".")[0] == engines.driver(flavour)
+
+
+@pytest.mark.parametrize("flavour", engines.SYNC)
+def test_session_operation_lost_connection_is_database_unavailable(db: str, role: str,
+                                                                   flavour: str) -> None:
+    engine = engines.engine(db, flavour, connect_args=engines.connect_args(flavour, user=role))
     try:
         for point in POINTS:
             key = f"sync-{point}"
-            with Session(engine) as session, pytest.raises(DatabaseUnavailable) as caught:
+            with engines.statements_path(flavour), Session(engine) as session, \
+                    pytest.raises(DatabaseUnavailable) as caught:
                 with pg_sa.operation(session, "acct", key, {"k": key}, lease=LEASE) as op:
                     pid = session.execute(text("SELECT pg_backend_pid()")).scalar_one()
                     session.add(Entry(intent=key))
@@ -131,10 +139,10 @@ def test_session_operation_lost_connection_is_database_unavailable(db: str, role
                     if point == "in-block":
                         session.execute(select(Entry)).all()
                     op.complete(201, {"ok": True})
-            assert isinstance(caught.value.pgerror, psycopg.OperationalError), point
+            assert from_driver(caught.value.pgerror, flavour), (point, caught.value.pgerror)
             assert rows(db, key) == 0 and state(db, key) in LEFT, point
             retry_until_completed(db, key)
-            with Session(engine) as session:
+            with engines.statements_path(flavour), Session(engine) as session:
                 with pg_sa.operation(session, "acct", key, {"k": key}, lease=LEASE) as op:
                     assert op.outcome in (idem.Outcome.RESUMED, idem.Outcome.CLAIMED)
                     session.add(Entry(intent=key))
@@ -144,16 +152,18 @@ def test_session_operation_lost_connection_is_database_unavailable(db: str, role
         engine.dispose()
 
 
-def test_async_session_operation_lost_connection_is_database_unavailable(db: str,
-                                                                         role: str) -> None:
+@pytest.mark.parametrize("flavour", engines.ASYNC)
+def test_async_session_operation_lost_connection_is_database_unavailable(
+        db: str, role: str, flavour: str) -> None:
     async def run() -> None:
-        engine = create_async_engine(url(db), connect_args={"user": role})
+        engine = engines.async_engine(db, flavour,
+                                      connect_args=engines.connect_args(flavour, user=role))
         sessions = async_sessionmaker(engine, expire_on_commit=False)
         try:
             for point in POINTS:
                 key = f"async-{point}"
                 async with sessions() as session:
-                    with pytest.raises(DatabaseUnavailable):
+                    with pytest.raises(DatabaseUnavailable) as caught:
                         async with pg_sa.aoperation(session, "acct", key, {"k": key},
                                                     lease=LEASE) as op:
                             pid = (await session.execute(
@@ -165,11 +175,21 @@ def test_async_session_operation_lost_connection_is_database_unavailable(db: str
                             if point == "in-block":
                                 (await session.execute(select(Entry))).all()
                             await op.complete(201, {"ok": True})
+                assert from_driver(caught.value.pgerror, flavour), (point, caught.value.pgerror)
                 assert rows(db, key) == 0 and state(db, key) in LEFT, point
+                retry_until_completed(db, key)
+                async with sessions() as session:
+                    async with pg_sa.aoperation(session, "acct", key, {"k": key},
+                                                lease=LEASE) as op:
+                        assert op.outcome in (idem.Outcome.RESUMED, idem.Outcome.CLAIMED)
+                        session.add(Entry(intent=key))
+                        await op.complete(201, {"ok": True})
+                assert rows(db, key) == 1 and state(db, key) == "completed", point
         finally:
             await engine.dispose()
 
-    asyncio.run(run())
+    with engines.statements_path(flavour):
+        asyncio.run(run())
 
 
 # -- behind the ASGI middleware, with request_session (examples/fastapi_sqlalchemy) -----------
