@@ -16,6 +16,7 @@ its own attributes (:func:`server_error`).
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -54,8 +55,12 @@ def statement(sql: str) -> TextClause:
 def bind(params: Mapping[str, Any]) -> dict[str, Any]:
     """The parameters as any driver takes them: a Jsonb as its JSON text (the statement casts
     it; asyncpg, for one, has no adapter for psycopg's wrapper)."""
-    return {name: value.dumps(value.obj) if isinstance(value, Jsonb) else value
+    return {name: _json_text(value) if isinstance(value, Jsonb) else value
             for name, value in params.items()}
+
+
+def _json_text(value: Jsonb) -> Any:
+    return (value.dumps or json.dumps)(value.obj)
 
 
 def _rows(result: Any, fetch: str) -> Any:
@@ -118,12 +123,12 @@ def _fields(exc: BaseException) -> Fields | None:
     return None
 
 
-def server_error(exc: BaseException) -> tuple[BaseException, Fields] | None:
+def server_error(exc: BaseException) -> tuple[Exception, Fields] | None:
     """The driver's error under ``exc`` with the server's fields, or None (no server error:
     not a database error, or the connection failed)."""
     for cause in _chain(exc):
         fields = _fields(cause)
-        if fields is not None:
+        if fields is not None and isinstance(cause, Exception):
             return cause, fields
     return None
 

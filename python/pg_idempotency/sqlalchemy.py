@@ -1,6 +1,6 @@
-"""SQLAlchemy 2 (sync and asyncio, ``postgresql+psycopg``): idempotent operations whose ORM
-writes and stored response commit together. Never imported by the core; needs
-``pg-idempotency[sqlalchemy]``. Guide: docs/sqlalchemy.md.
+"""SQLAlchemy 2 (sync and asyncio, any PostgreSQL driver: psycopg, asyncpg, pg8000, ...):
+idempotent operations whose ORM writes and stored response commit together. Never imported by
+the core; needs ``pg-idempotency[sqlalchemy]``. Guide: docs/sqlalchemy.md.
 
 On a Session of your own (no middleware)::
 
@@ -13,7 +13,9 @@ On a Session of your own (no middleware)::
 ``aoperation(async_session, ...)`` is the same for an ``AsyncSession`` (``async with``,
 ``await op.complete(...)``). The claim is committed on the session first, in a transaction of
 its own (concurrent retries must see it at once); then the session's next transaction holds
-the ORM writes and ``complete()``, and ``op.complete()`` commits it.
+the ORM writes and ``complete()``, and ``op.complete()`` commits it. The package's statements
+run on the session's own connection: through ``text()`` (:mod:`pg_idempotency._sa_exec`),
+or, on psycopg, on the psycopg connection under it (:data:`PSYCOPG_DIRECT`).
 
 Behind :class:`pg_idempotency.asgi.IdempotencyMiddleware`::
 
@@ -23,8 +25,9 @@ Behind :class:`pg_idempotency.asgi.IdempotencyMiddleware`::
         await session.commit()       # releases a savepoint: the middleware commits later
 
 :func:`request_session` gives an ``AsyncSession`` inside the operation's transaction (on
-``op.conn``), in SQLAlchemy's ``join_transaction_mode="create_savepoint"``: its ``commit()``
-keeps the writes in that transaction, its ``rollback()`` undoes them; the middleware closes it
+``op.conn``, a psycopg connection of the middleware's pool), in SQLAlchemy's
+``join_transaction_mode="create_savepoint"``: its ``commit()`` keeps the writes in that
+transaction, its ``rollback()`` undoes them; the middleware closes it
 when the handler returns, stores the response and commits once. :func:`bind_session` is the
 same for an :func:`pg_idempotency.aio.operation` of your own.
 
@@ -149,15 +152,11 @@ def _state(session: Session) -> tuple[TransactionStatus, bool]:
 #: On a psycopg session (``postgresql+psycopg``), the package's statements go to the psycopg
 #: connection under SQLAlchemy's, as the package's own API sends them: never prepared
 #: (docs/install.md, "Connection poolers"; through SQLAlchemy psycopg would prepare them after
-#: ``prepare_threshold`` uses). Every other driver gets them through ``text()``. False sends
-#: psycopg's through ``text()`` too (the tests run both ways).
+#: ``prepare_threshold`` uses), and without SQLAlchemy's execution machinery, which costs the
+#: app more CPU per operation (bench/sa_session.py measures both paths). Every other driver
+#: gets them through ``text()``. False sends psycopg's through ``text()`` too (the tests run
+#: both ways).
 PSYCOPG_DIRECT = True
-
-
-def _direct(raw: Any) -> bool:
-    """Whether the package's statements go to the psycopg connection itself (see
-    :data:`PSYCOPG_DIRECT`)."""
-    return PSYCOPG_DIRECT and isinstance(raw, (psycopg.Connection, psycopg.AsyncConnection))
 
 
 def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
@@ -175,7 +174,7 @@ def _run_session(session: Session, gen: Gen[Any], guard: _Guard | None) -> Any:
             if isinstance(request, Query):
                 conn = session.connection()
                 raw = conn.connection.driver_connection
-                if _direct(raw):
+                if PSYCOPG_DIRECT and isinstance(raw, psycopg.Connection):
                     with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
                         cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
                         value = cur.fetchone() if request.fetch == "one" else cur.fetchall()
@@ -216,7 +215,7 @@ async def _arun_session(session: AsyncSession, gen: Gen[Any], guard: _Guard | No
             if isinstance(request, Query):
                 conn = await session.connection()
                 raw = (await conn.get_raw_connection()).driver_connection
-                if _direct(raw):
+                if PSYCOPG_DIRECT and isinstance(raw, psycopg.AsyncConnection):
                     async with raw.cursor(row_factory=_wire.dict_rows(raw)) as cur:
                         await cur.execute(request.sql, request.params, prepare=_exec.PREPARE)
                         value = await (cur.fetchone() if request.fetch == "one"

@@ -3,12 +3,13 @@ terminated (``pg_terminate_backend`` from another connection, waiting for it to 
 point of an operation, as the request role:
 
 - ``operation()`` on a Session and ``aoperation()`` on an AsyncSession, on every driver of
-  helpers.sa_engines (psycopg, psycopg through ``text()``, pg8000; async: psycopg, psycopg
-  through ``text()``, asyncpg): lost before an ORM flush
-  in ``op.complete()``, before ``complete()`` itself, and under a statement of the block: the
-  block raises :class:`pg_idempotency.DatabaseUnavailable` (never SQLAlchemy's
-  error, whatever the driver; its ``pgerror`` is the driver's own), no business row exists, and the key (claimed before the loss) stays in
-  progress until its lease expires; then a retry resumes it and completes once;
+  helpers.sa_engines (sync: psycopg, psycopg through ``text()``, pg8000; async: psycopg,
+  psycopg through ``text()``, asyncpg): lost before an ORM flush in ``op.complete()``, before
+  ``complete()`` itself, and under a statement of the block: the block raises
+  :class:`pg_idempotency.DatabaseUnavailable` (never SQLAlchemy's error; its ``pgerror`` is
+  the driver's own), no business row exists, and the key (claimed before the loss) is
+  released on the session's next connection or stays in progress until its lease expires;
+  then a retry claims or resumes it and completes once;
 - behind the ASGI middleware with a session from ``request_session`` (the
   examples/fastapi_sqlalchemy pattern, FastAPI over real HTTP): lost in the handler's
   ``session.commit()`` or after it (in the middleware's complete): 503 with Retry-After, never

@@ -366,8 +366,8 @@ def test_sqlalchemy_page(payments: PgServer, tmp_path: Path) -> None:
     (tmp_path / "pay.py").write_text(block("sqlalchemy.md", "python", "def pay(scope, key"))
     out = [ast.literal_eval(line)
            for line in sh("python pay.py", tmp_path, env).splitlines()]
-    assert len(out) == 4 and out[0] == out[1], out
-    assert [status for status, _ in out] == [201] * 4
+    assert len(out) == 5 and out[0] == out[1] and out[2] == out[3], out
+    assert [status for status, _ in out] == [201] * 5
     assert len({body["id"] for _, body in out}) == 3
     assert query(server, "SELECT count(*) FROM sa_ledger") == [(4,)]
     assert query(server, "SELECT key, state FROM idempotency.keys "
