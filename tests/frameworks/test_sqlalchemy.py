@@ -457,3 +457,30 @@ def test_session_operation_as_the_request_role_under_hostile_settings(
         finally:
             app.dispose()
     assert notes(db) == ["as role"] and key_state(db, "k-role") == (True, 201)
+
+
+@pytest.mark.parametrize("flavour", ["psycopg", "psycopg-text"])
+def test_psycopg_sessions_never_prepare_the_packages_statements(db: str, flavour: str) -> None:
+    """Why psycopg sessions get the package's statements on the psycopg connection itself:
+    with psycopg's default prepare_threshold (5), a statement run through SQLAlchemy is
+    prepared under a name on its sixth use, which a transaction-mode pooler can hand to
+    another client (docs/install.md, "Connection poolers"). Directly, never."""
+    eng = engines.engine(db, flavour)
+    Base.metadata.create_all(eng)
+    try:
+        with engines.statements_path(flavour), Session(eng) as session:
+            for i in range(8):
+                with operation(session, "acct", f"p{i}", {"i": i}) as op:
+                    session.add(Entry(note=f"p{i}"))
+                    op.complete(201, {"i": i})
+            prepared = session.execute(
+                text("SELECT statement FROM pg_prepared_statements")).scalars().all()
+            session.rollback()
+    finally:
+        eng.dispose()
+    ours = [s for s in prepared if "idempotency." in s]
+    if flavour == "psycopg":
+        assert ours == [], ours
+    else:  # what the direct path prevents
+        assert any("idempotency.claim(" in s for s in ours), prepared
+    assert len(notes(db)) == 8
