@@ -184,6 +184,10 @@ def translate(exc: Exception, request: Request) -> Exception:
     if isinstance(request, Call) or isinstance(exc, IdempotencyError):
         return exc
     driver_error = lost(exc)
+    if driver_error is None:
+        # The package's own statement (or the session's connect for it) failed with an OS
+        # error: the network's, as asyncpg's refused connect is (SQLAlchemy does not wrap it).
+        driver_error = next((c for c in _chain(exc) if isinstance(c, OSError)), None)
     if driver_error is not None:
         return unavailable(exc, driver_error)
     found = server_error(exc)

@@ -13,7 +13,8 @@ point of an operation, as the request role:
 - behind the ASGI middleware with a session from ``request_session`` (the
   examples/fastapi_sqlalchemy pattern, FastAPI over real HTTP): lost in the handler's
   ``session.commit()`` or after it (in the middleware's complete): 503 with Retry-After, never
-  500, nothing stored; the retry after the lease gets 201 and exactly one row.
+  500, nothing stored; the retry after the lease gets 201 and exactly one row;
+- no server on the port (every driver): the claim's refused connection is DatabaseUnavailable.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse
 from helpers import login_roles
 from helpers import sa_engines as engines
 from helpers.http import uvicorn_server
+from helpers.served import free_port
 from psycopg import sql
 from psycopg_pool import AsyncConnectionPool
 from sqlalchemy import String, select, text
@@ -245,3 +247,37 @@ def test_asgi_request_session_lost_connection_is_503(db: str, role: str) -> None
                                timeout=WAIT_BOUND)
             assert again.status_code == 201, again.text
             assert rows(db, fault) == 1 and state(db, fault) == "completed"
+
+
+# -- a database that refuses connections ---------------------------------------------------------
+
+@pytest.mark.parametrize("flavour", sorted({*engines.SYNC, *engines.ASYNC}))
+def test_refused_connection_is_database_unavailable(flavour: str) -> None:
+    """No server on the port: the claim's connection is refused, and operation() /
+    aoperation() raise DatabaseUnavailable (asyncpg's refusal is the OS's own error, which
+    SQLAlchemy does not wrap), never the driver's or SQLAlchemy's error."""
+    dsn = f"postgresql://postgres@127.0.0.1:{free_port()}/postgres"
+    if flavour in engines.SYNC:
+        engine = engines.engine(dsn, flavour)
+        try:
+            with engines.statements_path(flavour), Session(engine) as session, \
+                    pytest.raises(DatabaseUnavailable) as caught:
+                with pg_sa.operation(session, "acct", "k", {"k": 1}):
+                    pass
+        finally:
+            engine.dispose()
+        assert isinstance(caught.value.pgerror, Exception), caught.value
+    if flavour in engines.ASYNC:
+        async def run() -> DatabaseUnavailable:
+            engine = engines.async_engine(dsn, flavour)
+            try:
+                async with AsyncSession(engine) as session:
+                    with pytest.raises(DatabaseUnavailable) as caught:
+                        async with pg_sa.aoperation(session, "acct", "k", {"k": 1}):
+                            pass
+                    return caught.value
+            finally:
+                await engine.dispose()
+
+        with engines.statements_path(flavour):
+            assert isinstance(asyncio.run(run()).pgerror, Exception)
