@@ -31,6 +31,7 @@ from .errors import (
     connection_lost,
     from_psycopg,
     invalid_argument,
+    is_unavailable,
 )
 
 P = ParamSpec("P")
@@ -318,10 +319,11 @@ def block_outage(exc: BaseException | None) -> DatabaseUnavailable | None:
             or not connection_lost(exc):
         return None
     cause: BaseException | None = exc
-    while cause is not None and not isinstance(cause, psycopg.Error):
+    while cause is not None and not isinstance(cause, psycopg.Error) \
+            and not is_unavailable(cause):
         cause = cause.__cause__ or cause.__context__
     mapped = DatabaseUnavailable(f"the database is unavailable: {exc}",
-                                 pgerror=cause if isinstance(cause, psycopg.Error) else None)
+                                 pgerror=cause if isinstance(cause, Exception) else None)
     mapped.__cause__ = exc
     return mapped
 
@@ -334,11 +336,32 @@ def make_sync(op: Callable[P, Gen[T]]) -> Callable[Concatenate[psycopg.Connectio
     return call
 
 
-def make_async(op: Callable[P, Gen[T]]
-           ) -> Callable[Concatenate[psycopg.AsyncConnection[Any], P], Awaitable[T]]:
+#: The async driver of each class of connection seen so far (:func:`arunner`).
+_ARUNNERS: dict[type, Callable[[Any, Gen[Any]], Awaitable[Any]]] = {}
+
+
+def arunner(conn: Any) -> Callable[[Any, Gen[Any]], Awaitable[Any]]:
+    """The async driver for ``conn``: :func:`arun` for psycopg's connections,
+    :func:`pg_idempotency._asyncpg.arun` for asyncpg's. Decided once a class of connection."""
+    cls = type(conn)
+    runner = _ARUNNERS.get(cls)
+    if runner is None:
+        if cls.__module__.partition(".")[0] == "asyncpg":
+            from . import _asyncpg  # noqa: PLC0415 - only where asyncpg is in use
+
+            runner = _asyncpg.arun
+        else:
+            runner = arun
+        _ARUNNERS[cls] = runner
+    return runner
+
+
+def make_async(op: Callable[P, Gen[T]]) -> Callable[Concatenate[Any, P], Awaitable[T]]:
+    """The async function of ``op``, on a psycopg ``AsyncConnection`` or an asyncpg
+    connection."""
     @functools.wraps(op)
-    async def call(conn: psycopg.AsyncConnection[Any], /, *args: P.args,
+    async def call(conn: Any, /, *args: P.args,
                    **kwargs: P.kwargs) -> T:
-        return await arun(conn, op(*args, **kwargs))
+        return await arunner(conn)(conn, op(*args, **kwargs))  # type: ignore[no-any-return]
 
     return call

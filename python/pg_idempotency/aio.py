@@ -1,5 +1,7 @@
-"""The async API (psycopg ``AsyncConnection``): :mod:`pg_idempotency.api` made async, from
-the same generators of :mod:`pg_idempotency._calls`.
+"""The async API (psycopg's ``AsyncConnection``, or asyncpg's ``Connection``):
+:mod:`pg_idempotency.api` made async, from the same generators of :mod:`pg_idempotency._calls`.
+Every function and ``operation()`` take either driver's connection (asyncpg's:
+:mod:`pg_idempotency._asyncpg`); the driver is chosen once a call or an operation.
 
     async with aio.operation(conn, scope, key, request) as op:
         if op.replay:
@@ -23,7 +25,7 @@ import psycopg
 
 from . import _calls
 from ._calls import DEFAULT_LEASE
-from ._exec import Gen, arun, block_outage, make_async
+from ._exec import Gen, arunner, block_outage, make_async
 from ._operation import (
     DEFAULT_MAX_HEADERS_BYTES,
     DEFAULT_MAX_RESPONSE_BYTES,
@@ -37,6 +39,7 @@ from ._results import StoredResponse
 from .fingerprint import derive_key
 
 if TYPE_CHECKING:
+    import asyncpg
     from psycopg_pool import AsyncConnectionPool
 
 __all__ = ["Operation", "accept", "checkpoint", "claim", "complete", "derive_key", "heartbeat",
@@ -57,24 +60,32 @@ class Operation(OperationFields):
     """One idempotent operation on ``conn`` (or on a pool); made by :func:`operation`. See
     :class:`pg_idempotency._operation.OperationCore` for the transaction rules."""
 
-    def __init__(self, core_: OperationCore, conn: Any, hold: AsyncHold | None = None) -> None:
+    def __init__(self, core_: OperationCore, conn: Any, hold: Any = None) -> None:
         self._core = core_
         self._hold = hold
         #: The connection of the business transaction: do the business writes on it, inside
         #: the block. Over a pool, a :class:`~pg_idempotency._pooled.PooledAsyncConnection`
-        #: that takes a connection of the pool at its first statement.
-        self.conn: Any = PooledAsyncConnection(hold) if hold is not None else conn
+        #: (asyncpg's: :class:`~pg_idempotency._asyncpg_pool.PooledAsyncpgConnection`) that
+        #: takes a connection of the pool at its first statement.
+        self.conn: Any
+        # The driver, chosen once for the operation: each step is self._arun(self._on, gen).
+        self._arun: Callable[[Any, Gen[Any]], Any]
+        if hold is None:
+            self.conn, self._on = conn, conn
+            self._arun = arunner(conn)
+        elif isinstance(hold, AsyncHold):
+            self.conn, self._on, self._arun = PooledAsyncConnection(hold), hold, arun_pooled
+        else:
+            raise TypeError(f"not a hold of a pool: {hold!r}")
 
     def _run(self, gen: Gen[Any]) -> Any:
-        if self._hold is None:
-            return arun(self.conn, gen)
-        return arun_pooled(self._hold, gen)
+        return self._arun(self._on, gen)
 
-    async def connection(self) -> psycopg.AsyncConnection[Any]:
-        """The psycopg connection of the business transaction. Over a pool it is taken now
-        (if no statement took it yet) and kept until the operation ends."""
+    async def connection(self) -> Any:
+        """The connection of the business transaction (psycopg's, or asyncpg's). Over a pool
+        it is taken now (if no statement took it yet) and kept until the operation ends."""
         if self._hold is None:
-            return self.conn  # type: ignore[no-any-return]
+            return self.conn
         return await self._hold.pin("op.connection()")
 
     async def __aenter__(self) -> Operation:
@@ -126,7 +137,8 @@ class Operation(OperationFields):
         await self._run(self._core.g_release())
 
 
-def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any], scope: str,
+def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]
+              | asyncpg.Connection, scope: str,
               key: str,
               request: Any = None, *, lease: timedelta | float = DEFAULT_LEASE,
               fingerprint: bytes | None = None, reference_time: datetime | None = None,
@@ -166,7 +178,8 @@ def idempotent(*, lease: timedelta | float = DEFAULT_LEASE, status: int = 200
     :class:`Operation`."""
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        run = idempotent_wrapper(fn, lease=lease, status=status, driver=arun,
+        run = idempotent_wrapper(fn, lease=lease, status=status,
+                                 driver=lambda conn, gen: arunner(conn)(conn, gen),
                                  make_op=lambda c, conn: Operation(c, conn))
 
         @functools.wraps(run)

@@ -332,8 +332,9 @@ def argument_too_large(function: str, argument: str, size: int, limit: int, sett
 
 def is_unavailable(exc: BaseException) -> bool:
     """Whether ``exc`` itself says the database cannot be reached: a
-    :class:`DatabaseUnavailable`, or a psycopg error of SQLSTATE class 08 or 57P01..57P03, or
-    an OperationalError without a SQLSTATE (refused, lost, closed), or a Citus coordinator's
+    :class:`DatabaseUnavailable`, or a psycopg or asyncpg error of SQLSTATE class 08 or
+    57P01..57P03, or psycopg's OperationalError without a SQLSTATE (refused, lost, closed) or
+    asyncpg's InterfaceError of a closed connection, or a Citus coordinator's
     XX000 for a worker lost mid-transaction or mid-COMMIT (whose outcome is then unknown; see
     :class:`DatabaseUnavailable`). A query canceled (57014)
     or a deadlock is not: those are the statement's; nor is psycopg_pool's PoolTimeout (no
@@ -341,7 +342,9 @@ def is_unavailable(exc: BaseException) -> bool:
     that starves its own pool is a bug to see, not an outage)."""
     if isinstance(exc, DatabaseUnavailable):
         return True
-    if not isinstance(exc, psycopg.Error) or type(exc).__module__.startswith("psycopg_pool"):
+    if not isinstance(exc, psycopg.Error):
+        return type(exc).__module__.startswith("asyncpg.") and _asyncpg_unavailable(exc)
+    if type(exc).__module__.startswith("psycopg_pool"):
         return False
     state = exc.sqlstate
     if state is None:
@@ -349,6 +352,27 @@ def is_unavailable(exc: BaseException) -> bool:
     if state == "XX000":
         return (exc.diag.message_primary or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
     return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+
+
+#: What asyncpg's InterfaceError says when the connection was closed (by a lost server, or
+#: by asyncpg after an error it could not recover from): an error without a SQLSTATE, like
+#: psycopg's OperationalError of a lost connection. Its other InterfaceErrors (another
+#: operation in progress, a transaction misused) are the caller's mistakes.
+_ASYNCPG_CLOSED = ("connection is closed", "cannot perform operation: connection is closed")
+
+
+def _asyncpg_unavailable(exc: BaseException) -> bool:
+    """:func:`is_unavailable` for an asyncpg error: SQLSTATE class 08 (asyncpg's
+    ConnectionDoesNotExistError, 08003, for a connection lost mid-statement; its
+    ConnectionFailureError, 08006), 57P01..57P03 (AdminShutdownError for a terminated backend,
+    CannotConnectNowError), Citus's XX000 for a lost worker, or the InterfaceError of a closed
+    connection."""
+    state = getattr(exc, "sqlstate", None)
+    if isinstance(state, str):
+        if state == "XX000":
+            return str(getattr(exc, "message", "") or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
+        return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+    return type(exc).__name__ == "InterfaceError" and str(exc) in _ASYNCPG_CLOSED
 
 
 def connection_lost(exc: BaseException | None) -> bool:

@@ -1,10 +1,11 @@
-"""The conformance suite (tests/conformance/): the same scenario files pass in six runners,
-Python (psycopg), psql only, Node.js (pg), Java (pgJDBC), Go (lib/pq) and Ruby (pg), on
-PostgreSQL 15 and 18; changing one expected value makes all six fail.
+"""The conformance suite (tests/conformance/): the same scenario files pass in seven runners,
+Python (psycopg), Python (asyncpg), psql only, Node.js (pg), Java (pgJDBC), Go (lib/pq) and
+Ruby (pg), on PostgreSQL 15 and 18; changing one expected value makes all seven fail.
 """
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import re
@@ -20,7 +21,7 @@ from helpers.servers import ServerPool
 from psycopg import sql
 
 import conformance as conf
-from conformance import langs, psqlrunner, pyrunner
+from conformance import asyncpgrunner, langs, psqlrunner, pyrunner
 from conformance.langs import run_node
 from pgharness import WAIT_BOUND, PgServer
 
@@ -157,11 +158,17 @@ def test_functions_json_matches_the_catalog(conformance_dsn: str) -> None:
             assert got == [(c, types.get(t, t)) for c, t in columns], type_name
 
 
-# -- the six runners --------------------------------------------------------------------------
+# -- the seven runners --------------------------------------------------------------------------
 
 @pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_python_runner(conformance_dsn: str, path: Path) -> None:
     assert pyrunner.run_scenario(conformance_dsn, conf.load_scenario(path), API) == []
+
+
+@pytest.mark.parametrize("path", FILES, ids=IDS)
+def test_asyncpg_runner(conformance_dsn: str, path: Path) -> None:
+    scenario = conf.load_scenario(path)
+    assert asyncio.run(asyncpgrunner.run_scenario(conformance_dsn, scenario, API)) == []
 
 
 @pytest.mark.parametrize("path", FILES, ids=IDS)
@@ -254,7 +261,7 @@ MUTATIONS: dict[str, tuple[str, Callable[[dict[str, Any]], None]]] = {
 @pytest.mark.node
 @pytest.mark.parametrize("server", ["pg18"], indirect=True)
 @pytest.mark.parametrize("mutation", MUTATIONS, ids=list(MUTATIONS))
-def test_one_changed_expectation_fails_all_six(
+def test_one_changed_expectation_fails_all_seven(
     mutation: str, server: PgServer, conformance_dsn: str, tmp_path: Path
 ) -> None:
     name, change = MUTATIONS[mutation]
@@ -267,6 +274,8 @@ def test_one_changed_expectation_fails_all_six(
     path.write_text(json.dumps(mutated, ensure_ascii=False), encoding="utf-8")
 
     assert pyrunner.run_scenario(conformance_dsn, mutated, API), "python runner passed"
+    assert asyncio.run(asyncpgrunner.run_scenario(conformance_dsn, mutated, API)), \
+        "asyncpg runner passed"
     assert run_psql_scenario(server, conformance_dsn, mutated), "psql runner passed"
     code, results, stderr = run_node(conformance_dsn, [path])
     assert code == 1 and results.get(name), f"node runner passed ({code}):\n{stderr}"
@@ -301,6 +310,9 @@ def test_a_runner_that_skips_a_step_fails(server: PgServer, conformance_dsn: str
     failures, steps, checks = pyrunner.run(conformance_dsn, short, API)
     assert failures == [] and (steps, checks) == conf.expected_counts(short)
     assert pyrunner.run_scenario(conformance_dsn, short, API) == []
+    failures, steps, checks = asyncio.run(asyncpgrunner.run(conformance_dsn, short, API))
+    assert failures == [] and (steps, checks) == conf.expected_counts(short)
+    assert conf.count_failures(full, steps, checks) == missing
 
     script, generated = psqlrunner.generate(short, API)
     proc = server.run_psql(conformance_dsn, script, args=psqlrunner.PSQL_ARGS, check=False)

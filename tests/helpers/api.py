@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import psycopg
 
 from pg_idempotency import aio
 from pgharness import WAIT_BOUND
@@ -17,6 +20,36 @@ CLI = Path(sys.executable).parent / "pg-idempotency"
 
 async def call(value: Any) -> Any:
     return await value if inspect.isawaitable(value) else value
+
+
+def is_asyncpg(conn: Any) -> bool:
+    return type(conn).__module__.partition(".")[0] == "asyncpg"
+
+
+async def execute(conn: Any, sql: str, *args: Any) -> None:
+    """One statement with psycopg's ``%s`` placeholders on a psycopg connection (sync or
+    async) or asyncpg's (``$1``, ``$2`` ...)."""
+    if is_asyncpg(conn):
+        n = iter(range(1, len(args) + 1))
+        await conn.execute(re.sub("%s", lambda _: f"${next(n)}", sql), *args)
+    else:
+        await call(conn.execute(sql, args or None))
+
+
+async def rollback(conn: Any) -> None:
+    """Roll back what is open on a psycopg or asyncpg connection."""
+    if is_asyncpg(conn):
+        if conn.is_in_transaction():
+            await conn.execute("ROLLBACK")
+    else:
+        await call(conn.rollback())
+
+
+def idle(conn: Any) -> bool:
+    """No transaction is open on ``conn`` (psycopg's or asyncpg's)."""
+    if is_asyncpg(conn):
+        return not conn.is_in_transaction()
+    return conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
 
 
 class _enter:

@@ -14,9 +14,10 @@ import tempfile
 from datetime import datetime, timedelta, timezone
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
-from helpers.api import _enter, call
+from helpers.api import _enter, call, execute, idle, is_asyncpg, rollback
 from psycopg_pool import AsyncConnectionPool, ConnectionPool
 
 import pg_idempotency as idem
@@ -28,14 +29,21 @@ pytestmark = pytest.mark.anyio
 LEDGER = "CREATE TABLE ledger (id serial PRIMARY KEY, account text, amount integer)"
 
 
-@pytest.fixture(params=["sync", "async"])
+@pytest.fixture(params=["sync", "async", "asyncpg"])
 async def flavour(request: pytest.FixtureRequest, db: str) -> Any:
-    """(api module, connection) for the sync or the async API, with a ledger table."""
+    """(api module, connection) for the sync or the async API (on psycopg, or on asyncpg),
+    with a ledger table."""
     with psycopg.connect(db, autocommit=True) as setup:
         setup.execute(LEDGER)
     if request.param == "sync":
         with psycopg.connect(db, autocommit=True) as conn:
             yield idem, conn
+    elif request.param == "asyncpg":
+        conn = await asyncpg.connect(db)
+        try:
+            yield aio, conn
+        finally:
+            await conn.close()
     else:
         async with await psycopg.AsyncConnection.connect(db, autocommit=True) as conn:
             yield aio, conn
@@ -83,7 +91,7 @@ def assert_same_lease_lost(a: errors.LeaseLost, b: errors.LeaseLost) -> None:
 
 
 async def insert(conn: Any, amount: int) -> None:
-    await call(conn.execute("INSERT INTO ledger (account, amount) VALUES ('a', %s)", (amount,)))
+    await execute(conn, "INSERT INTO ledger (account, amount) VALUES ('a', %s)", amount)
 
 
 async def test_every_outcome(flavour: Any, db: str) -> None:
@@ -201,7 +209,8 @@ async def test_argument_errors(flavour: Any) -> None:
         e = info.value
         assert isinstance(e, errors.InvalidArgument) and isinstance(e, ValueError)
         assert (e.sqlstate, e.argument, e.function) == (state, argument, "idempotency.claim")
-        assert isinstance(e.__cause__, psycopg.Error) and e.pgerror is e.__cause__
+        driver_error = asyncpg.PostgresError if is_asyncpg(conn) else psycopg.Error
+        assert isinstance(e.__cause__, driver_error) and e.pgerror is e.__cause__
     c = await call(api.claim(conn, "s", "k", {}))
     with pytest.raises(errors.ArgumentWrongType) as info:
         await call(api.complete(conn, "s", "k", c.lease_token, 200, None,
@@ -211,9 +220,10 @@ async def test_argument_errors(flavour: Any) -> None:
         await call(conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ"))
         await call(api.claim(conn, "s", "k9", {}))
     assert iso.value.sqlstate == "IK005"
-    await call(conn.rollback())
+    await rollback(conn)
     # an error PostgreSQL raises itself is not translated
-    with pytest.raises(psycopg.errors.UntranslatableCharacter):
+    with pytest.raises(asyncpg.UntranslatableCharacterError if is_asyncpg(conn)
+                       else psycopg.errors.UntranslatableCharacter):
         await call(conn.execute("""SELECT '"\\u0000"'::jsonb"""))
 
 
@@ -248,7 +258,7 @@ async def test_operation_complete_then_replay(flavour: Any, db: str) -> None:
                 with pytest.raises(idem.UsageError, match="replay"):
                     await call(op.complete(200, {}))
     assert ledger_count(db) == 1
-    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert idle(conn)
 
 
 async def test_operation_errors_release_or_keep(flavour: Any, db: str) -> None:
@@ -336,7 +346,7 @@ async def test_operation_refuses_an_open_transaction(flavour: Any) -> None:
     with pytest.raises(idem.UsageError, match="idle connection"):
         async with _enter(api.operation(conn, "s", "k", {})):
             pass
-    await call(conn.rollback())
+    await rollback(conn)
 
 
 async def test_decorator(flavour: Any, db: str) -> None:
@@ -344,7 +354,7 @@ async def test_decorator(flavour: Any, db: str) -> None:
     runs = []
 
     if api is aio:
-        @aio.idempotent(status=201)
+        @aio.idempotent(status=201)  # psycopg's or asyncpg's connection
         async def charge(conn: Any, amount: int, *, op: Any) -> dict[str, Any]:
             runs.append(op.key)
             await insert(conn, amount)
@@ -391,13 +401,20 @@ async def test_async_pool(db: str) -> None:
     assert ledger_count(db) == 1
 
 
-@pytest.fixture(params=["sync", "async", "sync-tx", "async-tx"])
+@pytest.fixture(params=["sync", "async", "sync-tx", "async-tx", "asyncpg"])
 async def any_conn(request: pytest.FixtureRequest, db: str) -> Any:
-    """(api module, connection): autocommit, or not ("-tx"), sync or async; a ledger table."""
+    """(api module, connection): autocommit, or not ("-tx"), sync or async; or asyncpg's
+    (which has no implicit transaction: autocommit, as psycopg sees it); a ledger table."""
     autocommit = not request.param.endswith("-tx")
     with psycopg.connect(db, autocommit=True) as setup:
         setup.execute(LEDGER)
-    if request.param.startswith("sync"):
+    if request.param == "asyncpg":
+        conn = await asyncpg.connect(db)
+        try:
+            yield aio, conn
+        finally:
+            await conn.close()
+    elif request.param.startswith("sync"):
         with psycopg.connect(db, autocommit=autocommit) as conn:
             yield idem, conn
     else:
@@ -407,13 +424,13 @@ async def any_conn(request: pytest.FixtureRequest, db: str) -> Any:
 
 async def test_release_before_any_side_effect(any_conn: Any, db: str) -> None:
     api, conn = any_conn
-    autocommit = conn.autocommit
+    autocommit = getattr(conn, "autocommit", True)
     async with _enter(api.operation(conn, "pay", "r1", {"card": "declined"})) as op:
         await insert(conn, 1)
         await call(op.checkpoint("asked_the_bank"))  # release() trusts the caller over this
         await insert(conn, 2)
         await call(op.release())
-        assert op.released and conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+        assert op.released and idle(conn)
         with pytest.raises(idem.UsageError, match="released"):
             await call(op.complete(402, {"error": "declined"}))
     # the row stays, released (the recovery point is left as it was), until the next claim
@@ -429,7 +446,7 @@ async def test_release_before_any_side_effect(any_conn: Any, db: str) -> None:
         await insert(conn, 3)
         await call(op.complete(201, {"ok": True}))
     assert key_row(db, "r1") == ("completed", None, 1) and ledger_count(db) == 2
-    assert conn.autocommit == autocommit
+    assert getattr(conn, "autocommit", True) == autocommit
     # release() is for the owner only
     async with _enter(api.operation(conn, "pay", "r1", {"card": "other"})) as op:
         with pytest.raises(idem.UsageError, match="replay"):
@@ -438,6 +455,7 @@ async def test_release_before_any_side_effect(any_conn: Any, db: str) -> None:
 
 async def test_a_stale_attempt_gets_the_lease_lost_family(any_conn: Any, db: str) -> None:
     api, conn = any_conn
+    autocommit = getattr(conn, "autocommit", True)
     t0 = datetime.now(timezone.utc)
 
     async def stale(key: str, then: str) -> tuple[pytest.ExceptionInfo[idem.LeaseLost], int]:
@@ -474,33 +492,33 @@ async def test_a_stale_attempt_gets_the_lease_lost_family(any_conn: Any, db: str
     with pytest.raises(idem.LeaseLostCompleted) as own:
         await call(api.heartbeat(conn, "acct", "done-elsewhere", done_token))
     assert isinstance(own.value, idem.AlreadyCompleted) and own.value.sqlstate == "IK004"
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.rollback())
     with pytest.raises(idem.LeaseLost) as other_token:
         await call(api.heartbeat(conn, "acct", "done-elsewhere", done_token - 1))
     assert_same_lease_lost(other_token.value, done.value)
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.rollback())
     with pytest.raises(idem.LeaseLost) as on_released:
         await call(api.heartbeat(conn, "acct", "released-elsewhere", gone_token))
     assert_same_lease_lost(on_released.value, done.value)
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.rollback())
     with pytest.raises(idem.KeyNotFound) as missing:
         await call(api.takeover(conn, "acct", "never-claimed"))
     assert not isinstance(missing.value, idem.LeaseLost) and missing.value.sqlstate == "IK003"
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.rollback())
     # a released key has no owner to take over from (IK003 too); a claim starts it afresh
     with pytest.raises(idem.KeyNotFound) as released:
         await call(api.takeover(conn, "acct", "released-elsewhere"))
     assert not isinstance(released.value, idem.LeaseLost) and released.value.sqlstate == "IK003"
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.rollback())
     again = await call(api.claim(conn, "acct", "released-elsewhere", {"v": 1}))
     assert again.outcome is idem.Outcome.CLAIMED and again.attempts == 1
     assert again.lease_token > gone_token
-    if not conn.autocommit:
+    if not autocommit:
         await call(conn.commit())
 
 
