@@ -9,8 +9,9 @@ Every function and ``operation()`` take either driver's connection (asyncpg's:
         await conn.execute("INSERT INTO ledger ...")   # the business write
         await op.complete(201, {"id": 7})        # commits it together with the response
 
-Given a ``psycopg_pool.AsyncConnectionPool`` instead of a connection, the operation takes a
-connection only while its SQL runs (:mod:`pg_idempotency._pooled`): write on ``op.conn``.
+Given a ``psycopg_pool.AsyncConnectionPool`` or an ``asyncpg.Pool`` instead of a connection,
+the operation takes a connection only while its SQL runs (:mod:`pg_idempotency._pooled`,
+:mod:`pg_idempotency._asyncpg_pool`): write on ``op.conn``.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import psycopg
 
 from . import _calls
+from ._asyncpg import is_asyncpg_pool
 from ._calls import DEFAULT_LEASE
 from ._exec import Gen, arunner, block_outage, make_async
 from ._operation import (
@@ -75,8 +77,8 @@ class Operation(OperationFields):
             self._arun = arunner(conn)
         elif isinstance(hold, AsyncHold):
             self.conn, self._on, self._arun = PooledAsyncConnection(hold), hold, arun_pooled
-        else:
-            raise TypeError(f"not a hold of a pool: {hold!r}")
+        else:  # an asyncpg pool's (_asyncpg_pool.AsyncpgHold)
+            self.conn, self._on, self._arun = hold.proxy(), hold, type(hold).run
 
     def _run(self, gen: Gen[Any]) -> Any:
         return self._arun(self._on, gen)
@@ -138,7 +140,7 @@ class Operation(OperationFields):
 
 
 def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]
-              | asyncpg.Connection, scope: str,
+              | asyncpg.Connection | asyncpg.Pool, scope: str,
               key: str,
               request: Any = None, *, lease: timedelta | float = DEFAULT_LEASE,
               fingerprint: bytes | None = None, reference_time: datetime | None = None,
@@ -154,7 +156,8 @@ def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]
     defaults) before sending anything, and ends the operation as an exception would (rolled
     back, key released).
 
-    ``conn`` may be a ``psycopg_pool.AsyncConnectionPool``: then the operation holds a
+    ``conn`` may be a ``psycopg_pool.AsyncConnectionPool`` or an ``asyncpg.Pool``: then the
+    operation holds a
     connection of it only while its SQL runs. The claim runs on one given back as soon as it
     answered; ``op.conn`` takes one for the business transaction at its first statement (or
     ``complete()`` does, when the block wrote nothing), and ``complete()`` commits on that
@@ -165,6 +168,10 @@ def operation(conn: psycopg.AsyncConnection[Any] | AsyncConnectionPool[Any]
                           max_headers_bytes=max_headers_bytes)
     if is_pool(conn):
         return Operation(core_, None, AsyncHold(conn))
+    if is_asyncpg_pool(conn):
+        from ._asyncpg_pool import AsyncpgHold  # noqa: PLC0415 - only with asyncpg
+
+        return Operation(core_, None, AsyncpgHold(conn))
     refuse_managed(conn)
     return Operation(core_, conn)
 

@@ -79,7 +79,7 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
@@ -89,6 +89,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import _operation, aio
 from . import contract as http
 from ._calls import DEFAULT_LEASE
+from ._asyncpg import is_asyncpg_pool
 from ._pooled import AsyncHold
 from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
@@ -103,6 +104,9 @@ from .errors import (
     KeyNotFound,
     LeaseLost,
 )
+
+if TYPE_CHECKING:
+    import asyncpg
 
 __all__ = ["DEFAULT_REPLAY_HEADERS", "IdempotencyMiddleware", "Policy", "PoolExhausted",
            "add_cleanup", "get_operation"]
@@ -152,9 +156,9 @@ def add_cleanup(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
 class IdempotencyMiddleware:
     """Pure ASGI middleware; see the module documentation.
 
-    - ``pool``: an ``AsyncConnectionPool``; a keyed request holds one of its connections only
-      while its SQL runs (the claim; the handler's transaction from its first statement to the
-      commit of the stored response).
+    - ``pool``: a psycopg ``AsyncConnectionPool`` or an ``asyncpg.Pool``; a keyed request holds
+      one of its connections only while its SQL runs (the claim; the handler's transaction
+      from its first statement to the commit of the stored response).
     - ``scope``: ``callback(request) -> str | None`` (may be async), the caller's identity.
     - ``routes``: ``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": ...}``
       (``{name}`` matches one path segment; a value may be a
@@ -172,7 +176,7 @@ class IdempotencyMiddleware:
       ``max_request_bytes``, ``max_response_bytes``: :class:`pg_idempotency.contract.Settings`.
     """
 
-    def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool,
+    def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool | asyncpg.Pool,
                  scope: Callable[[Request], str | None | Awaitable[str | None]],
                  routes: Mapping[str, http.Route | Policy | str | Mapping[str, Any]]
                  | None = None,
@@ -196,6 +200,14 @@ class IdempotencyMiddleware:
         self.routes = http.Routes(routes, default_policy)
         self.app = app
         self.pool = pool
+        self._hold_class: Any = AsyncHold
+        self._max_size: int
+        if is_asyncpg_pool(pool):
+            from ._asyncpg_pool import AsyncpgHold  # noqa: PLC0415 - only with asyncpg
+
+            self._hold_class, self._max_size = AsyncpgHold, pool.get_max_size()  # type: ignore[union-attr]
+        else:
+            self._max_size = pool.max_size
         self.scope_of = scope
         self.header = header_name.lower().encode("latin-1")
         self.pool_reserve = pool_reserve
@@ -205,7 +217,7 @@ class IdempotencyMiddleware:
     def _holder_slots(self) -> anyio.Semaphore:
         # Made on first use, in the server's event loop; sized from the pool when it is known.
         if self._holders is None:
-            slots = max(1, self.pool.max_size - self.pool_reserve)
+            slots = max(1, self._max_size - self.pool_reserve)
             try:
                 # anyio 4.5+: a free slot is taken without a trip through the event loop
                 self._holders = anyio.Semaphore(slots, fast_acquire=True)
@@ -275,7 +287,7 @@ class IdempotencyMiddleware:
             op = aio.Operation(_operation.OperationCore(
                 keyed.scope, key, None, fingerprint=digest, lease=keyed.lease,
                 max_response_bytes=self.settings.max_response_bytes), None,
-                AsyncHold(self.pool, slots))
+                self._hold_class(self.pool, slots))
             with contextlib.suppress(KeyMismatch, KeyExpired, KeyInProgress):
                 await op.__aenter__()  # its claim_result says which
             assert op.claim_result is not None  # set before any of those is raised
@@ -298,7 +310,7 @@ class IdempotencyMiddleware:
                     await self._execute(op, scope, receive, sending, body)
             finally:
                 if op is not None:
-                    await op._hold.close()  # type: ignore[union-attr]
+                    await op._hold.close()
         except PoolTimeout:
             await _send(send, http.no_connection(self.settings))
         except Exception as exc:
@@ -367,7 +379,7 @@ class IdempotencyMiddleware:
             error = PoolExhausted(
                 f"the handler timed out waiting for a database connection ({exc}). If it "
                 "asked the middleware's pool: each keyed request holds one of its "
-                f"{self.pool.max_size} connections until the response is stored, and "
+                f"{self._max_size} connections until the response is stored, and "
                 f"pool_reserve={self.pool_reserve} are kept free for handlers. Use op.conn "
                 "(or pg_idempotency.sqlalchemy.request_session), take at most pool_reserve "
                 "connections at once, or use another pool.")
