@@ -156,9 +156,11 @@ def add_cleanup(request: Request, fn: Callable[[], Awaitable[None]]) -> None:
 class IdempotencyMiddleware:
     """Pure ASGI middleware; see the module documentation.
 
-    - ``pool``: a psycopg ``AsyncConnectionPool`` or an ``asyncpg.Pool``; a keyed request holds
-      one of its connections only while its SQL runs (the claim; the handler's transaction
-      from its first statement to the commit of the stored response).
+    - ``pool``: a psycopg ``AsyncConnectionPool`` or an ``asyncpg.Pool``, or a callable that
+      returns one on the first request (an asyncpg pool is bound to the event loop it is
+      made in: make it in the app's lifespan and pass ``lambda: app.state.pool``); a keyed
+      request holds one of its connections only while its SQL runs (the claim; the handler's
+      transaction from its first statement to the commit of the stored response).
     - ``scope``: ``callback(request) -> str | None`` (may be async), the caller's identity.
     - ``routes``: ``{"POST /payments": Policy.REQUIRED, "POST /orders/{id}/refunds": ...}``
       (``{name}`` matches one path segment; a value may be a
@@ -176,7 +178,8 @@ class IdempotencyMiddleware:
       ``max_request_bytes``, ``max_response_bytes``: :class:`pg_idempotency.contract.Settings`.
     """
 
-    def __init__(self, app: ASGIApp, *, pool: AsyncConnectionPool | asyncpg.Pool,
+    def __init__(self, app: ASGIApp, *,
+                 pool: AsyncConnectionPool | asyncpg.Pool | Callable[[], Any],
                  scope: Callable[[Request], str | None | Awaitable[str | None]],
                  routes: Mapping[str, http.Route | Policy | str | Mapping[str, Any]]
                  | None = None,
@@ -199,24 +202,39 @@ class IdempotencyMiddleware:
             max_request_bytes=max_request_bytes, max_response_bytes=max_response_bytes)
         self.routes = http.Routes(routes, default_policy)
         self.app = app
-        self.pool = pool
+        self._pool_source = pool
+        self._pool: Any = None
         self._hold_class: Any = AsyncHold
-        self._max_size: int
-        if is_asyncpg_pool(pool):
-            from ._asyncpg_pool import AsyncpgHold  # noqa: PLC0415 - only with asyncpg
-
-            self._hold_class, self._max_size = AsyncpgHold, pool.get_max_size()  # type: ignore[union-attr]
-        else:
-            self._max_size = pool.max_size
+        self._max_size = 0
+        if not callable(pool):
+            self._use(pool)
         self.scope_of = scope
         self.header = header_name.lower().encode("latin-1")
         self.pool_reserve = pool_reserve
         self.refuse_foreign_commits = refuse_foreign_commits
         self._holders: anyio.Semaphore | None = None
 
+    @property
+    def pool(self) -> Any:
+        """The pool: the one given, or what the callable given returned on first use."""
+        if self._pool is None:
+            self._use(self._pool_source())  # type: ignore[operator]
+        return self._pool
+
+    def _use(self, pool: Any) -> None:
+        if is_asyncpg_pool(pool):
+            from ._asyncpg_pool import AsyncpgHold  # noqa: PLC0415 - only with asyncpg
+
+            self._hold_class, self._max_size = AsyncpgHold, pool.get_max_size()
+        else:
+            self._hold_class, self._max_size = AsyncHold, pool.max_size
+        self._pool = pool
+
     def _holder_slots(self) -> anyio.Semaphore:
         # Made on first use, in the server's event loop; sized from the pool when it is known.
         if self._holders is None:
+            if self._pool is None:
+                self._use(self._pool_source())  # type: ignore[operator]
             slots = max(1, self._max_size - self.pool_reserve)
             try:
                 # anyio 4.5+: a free slot is taken without a trip through the event loop

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import flask
 import httpx
 import psycopg
@@ -37,7 +38,7 @@ LEDGER = "CREATE TABLE IF NOT EXISTS ledger (intent text NOT NULL, note text)"
 
 LEASE = 1.0
 
-ADAPTERS = ["asgi", "django", "flask", "wsgi"]
+ADAPTERS = ["asgi", "asgi-asyncpg", "django", "flask", "wsgi"]
 
 
 @dataclass
@@ -98,8 +99,22 @@ def sync_handler(body: bytes, write: Callable[[str], None], gate_name: str | Non
     return answer
 
 
-def asgi_app(dsn: str) -> Any:
-    pool = AsyncConnectionPool(dsn, min_size=1, max_size=12, open=False)
+def asgi_app(dsn: str, driver: str = "psycopg") -> Any:
+    """The Starlette app behind the middleware, over a psycopg pool or an asyncpg one."""
+    pool: Any
+    made: dict[str, Any] = {}
+    if driver == "asyncpg":
+        # made by the lifespan, in the server's event loop; the middleware takes it from there
+        insert = "INSERT INTO ledger (intent) VALUES ($1)"
+    else:
+        pool = AsyncConnectionPool(dsn, min_size=1, max_size=12, open=False)
+        insert = "INSERT INTO ledger (intent) VALUES (%s)"
+
+    async def write(conn: Any, intent: str) -> None:
+        if driver == "asyncpg":
+            await conn.execute(insert, intent)
+        else:
+            await conn.execute(insert, (intent,))
 
     async def pay(request: Request) -> Response:
         plan = Plan.of(await request.body())
@@ -108,10 +123,13 @@ def asgi_app(dsn: str) -> Any:
         op = pg_asgi.get_operation(request)
         plan.before_write()
         if op is not None:
-            await op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (plan.intent,))
+            await write(op.conn, plan.intent)
+        elif driver == "asyncpg":
+            async with made["pool"].acquire() as conn:
+                await write(conn, plan.intent)
         else:
             async with pool.connection() as conn:
-                await conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (plan.intent,))
+                await write(conn, plan.intent)
         status, content, headers = plan.after_write()
         if (name := request.headers.get("x-gate")) is not None:
             await asyncio.to_thread(pass_gate, name)
@@ -119,7 +137,8 @@ def asgi_app(dsn: str) -> Any:
 
     inner = Starlette(routes=[Route(p, pay, methods=["POST"])
                               for p in ("/pay", "/pay-store", "/free")])
-    options = {"pool": pool, "scope": lambda r: "acct", "lease": LEASE}
+    options = {"pool": (lambda: made["pool"]) if driver == "asyncpg" else pool,
+               "scope": lambda r: "acct", "lease": LEASE}
     plain = pg_asgi.IdempotencyMiddleware(inner, routes={"POST /pay": "required"}, **options)
     store = pg_asgi.IdempotencyMiddleware(inner, routes={"POST /pay-store": "required"},
                                           store_server_errors=True, **options)
@@ -138,7 +157,27 @@ def asgi_app(dsn: str) -> Any:
         await send({"type": "http.response.start", "status": 502, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
+    if driver == "asyncpg":
+        return asyncpg_lifespan(dsn, made, handle)
     return with_pool_lifespan(pool, handle)
+
+
+def asyncpg_lifespan(dsn: str, made: dict[str, Any], app: Any) -> Any:
+    """``app`` behind a lifespan that makes an asyncpg pool (``made["pool"]``) at startup, in
+    the server's event loop, and closes it at shutdown."""
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            made["pool"] = await asyncpg.create_pool(dsn, min_size=1, max_size=12)
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await made["pool"].close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def _django_view(store: bool) -> Any:
@@ -225,8 +264,9 @@ def crashing(wsgi: Any) -> Any:
 def serve(adapter: str, dsn: str) -> Iterator[str]:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(LEDGER)
-    if adapter == "asgi":
-        with uvicorn_server(asgi_app(dsn)) as base:
+    if adapter.startswith("asgi"):
+        driver = "asyncpg" if adapter == "asgi-asyncpg" else "psycopg"
+        with uvicorn_server(asgi_app(dsn, driver)) as base:
             yield base
     elif adapter == "django":
         with django_on(dsn, __name__) as app, wsgi_server(crashing(app), django=True) as base:
