@@ -88,8 +88,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import _operation, aio
 from . import contract as http
-from ._calls import DEFAULT_LEASE
 from ._asyncpg import is_asyncpg_pool
+from ._calls import DEFAULT_LEASE
 from ._pooled import AsyncHold
 from ._results import ClaimResult
 from .contract import DEFAULT_REPLAY_HEADERS, Answer, Handling, Policy
