@@ -165,6 +165,42 @@ async def test_handlers_in_a_provider_call_hold_no_connection(db: str) -> None:
     assert _ledger(db) == sorted(["other", *(f"p{i}" for i in range(8))])
 
 
+async def test_50_concurrent_identical_posts(db: str) -> None:
+    """50 identical keyed POSTs at once through the middleware on an asyncpg pool of 4: the
+    handler runs once; every other answer is its replay or a 409 with Retry-After."""
+    _setup(db)
+    pool = await _pool(db, 4)
+    runs: list[str] = []
+
+    async def pay(request: Request) -> Response:
+        op = pg_asgi.get_operation(request)
+        assert op is not None
+        runs.append("run")
+        await op.conn.execute("INSERT INTO ledger (intent) VALUES ($1)", "once")
+        await asyncio.sleep(0.1)
+        return Response(_answer("once"), status_code=201, media_type="application/json")
+
+    app = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
+    app.add_middleware(pg_asgi.IdempotencyMiddleware, pool=pool, scope=lambda r: "acct",
+                       routes={"POST /pay": "required"})
+    try:
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                     base_url="http://t", timeout=WAIT_BOUND) as client:
+            answers = await asyncio.gather(*(
+                client.post("/pay", json={"intent": "once"}, headers={"Idempotency-Key": "k"})
+                for _ in range(50)))
+        await _await_clean(db, pool)
+    finally:
+        await pool.close()
+    fresh = [a for a in answers if a.status_code == 201 and "idempotent-replayed" not in a.headers]
+    assert len(fresh) == 1 and runs == ["run"] and _ledger(db) == ["once"]
+    for a in answers:
+        if a.status_code == 409:
+            assert int(a.headers["retry-after"]) >= 1
+        else:
+            assert a.status_code == 201 and a.content == fresh[0].content, a.text
+
+
 async def test_cancelled_requests_give_their_connection_back(db: str) -> None:
     """Requests cancelled at random moments (claim, provider call, INSERT, complete, COMMIT):
     the pool is idle afterwards, no session idle in transaction, and a ledger row exists
