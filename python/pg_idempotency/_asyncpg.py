@@ -153,7 +153,11 @@ class Session:
                 else TransactionStatus.IDLE), True
 
     async def begin(self) -> None:
-        if self.tx is None and not self.conn.is_in_transaction():
+        """Start the business transaction, unless one is open (a transaction of the package's
+        that ended outside it, by a ROLLBACK of the caller's, is forgotten: never write in
+        autocommit believing a transaction open)."""
+        if not self.conn.is_in_transaction():
+            self.tx = None
             tx = self.conn.transaction()
             await tx.start()
             self.tx = tx
