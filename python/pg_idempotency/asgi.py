@@ -10,6 +10,10 @@
         await op.conn.execute("INSERT INTO ledger ...")
         return JSONResponse({...}, status_code=201)   # stored with the insert, in one commit
 
+``pool`` may be an ``asyncpg.Pool`` too, or a callable that returns the pool on the first request
+(an asyncpg pool made in the app's lifespan: ``pool=lambda: app.state.pool``; docs/python.md,
+"On asyncpg"); ``op.conn`` is then asyncpg's (``await op.conn.execute("... $1", value)``).
+
 For a request with an ``Idempotency-Key`` the middleware claims the key on a pooled connection
 and gives it back, then calls the handler (``get_operation(request)`` gives the
 :class:`pg_idempotency.aio.Operation`); ``op.conn`` takes a connection of the pool at the
