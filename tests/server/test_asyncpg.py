@@ -175,3 +175,21 @@ async def test_the_decorator_and_checkpoint_share_the_operation_transaction(
     assert not conn.is_in_transaction()
     with pytest.raises(idem.KeyMismatch):
         await charge(conn, "dec", "d1", 31)
+
+
+async def test_complete_over_the_limit_rolls_back_and_releases(conn: Any, db: str) -> None:
+    """The package's own limit on what complete() stores holds on asyncpg as on psycopg:
+    ArgumentTooLarge (IK018) before anything is sent, the writes rolled back, the key
+    released; at the limit it is stored."""
+    limit = 100
+    with pytest.raises(errors.ArgumentTooLarge) as caught:
+        async with aio.operation(conn, "lim", "over", {}, max_response_bytes=limit) as op:
+            await conn.execute("INSERT INTO ledger (ref, amount) VALUES ('over', 1)")
+            await op.complete(201, b"x" * (limit + 1))
+    assert caught.value.argument == "body" and caught.value.pgerror is None
+    async with aio.operation(conn, "lim", "at", {}, max_response_bytes=limit) as op:
+        await conn.execute("INSERT INTO ledger (ref, amount) VALUES ('at', 1)")
+        await op.complete(201, b"x" * limit)
+    assert rows(db, "SELECT ref FROM ledger") == [("at",)]
+    assert rows(db, "SELECT key, state FROM idempotency.keys ORDER BY key") == [
+        ("at", "completed"), ("over", "released")]

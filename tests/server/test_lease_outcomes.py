@@ -22,9 +22,11 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import psycopg
 import pytest
 from helpers import login_roles
+from helpers.api import idle, rollback
 from helpers.probes import (
     HOSTILE_SETTINGS,
     KEYS_PER_CLASS,
@@ -200,6 +202,26 @@ async def flavour(request: pytest.FixtureRequest, db: str) -> Any:
             yield aio, conn
 
 
+@pytest.fixture(params=["sync", "async", "asyncpg"])
+async def any_flavour(request: pytest.FixtureRequest, db: str) -> Any:
+    """:func:`flavour`, and the async API on an asyncpg connection (which has no implicit
+    transaction)."""
+    with psycopg.connect(db, autocommit=True) as setup:
+        setup.execute("CREATE TABLE IF NOT EXISTS ledger (key text, amount integer)")
+    if request.param == "sync":
+        with psycopg.connect(db) as conn:
+            yield idem, conn
+    elif request.param == "async":
+        async with await psycopg.AsyncConnection.connect(db) as conn:
+            yield aio, conn
+    else:
+        conn = await asyncpg.connect(db)
+        try:
+            yield aio, conn
+        finally:
+            await conn.close()
+
+
 async def test_the_package_raises_lease_lost_with_no_server_error(flavour: Any, server: Any,
                                                                    db: str) -> None:
     api, conn = flavour
@@ -249,9 +271,9 @@ async def test_the_package_raises_lease_lost_with_no_server_error(flavour: Any, 
     assert row(db, scope, "live")[0] == "released"
 
 
-async def test_op_checkpoint_after_a_takeover_rolls_the_step_back(flavour: Any, server: Any,
+async def test_op_checkpoint_after_a_takeover_rolls_the_step_back(any_flavour: Any, server: Any,
                                                                   db: str) -> None:
-    api, conn = flavour
+    api, conn = any_flavour
     scope = _scope()
     op = api.operation(conn, scope, "op", {"a": 1}, lease=60)
     with pytest.raises(errors.LeaseLost) as lost:
@@ -271,7 +293,7 @@ async def test_op_checkpoint_after_a_takeover_rolls_the_step_back(flavour: Any, 
     state, _token, _expires, recovery_point = row(db, scope, "op")
     assert (state, recovery_point) == ("in_progress", None)  # the new owner's, untouched
     assert errors_about(server, scope) == []
-    assert conn.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    assert idle(conn)
 
 
 def _take_over(db: str, scope: str, key: str) -> None:
@@ -283,9 +305,9 @@ def _take_over(db: str, scope: str, key: str) -> None:
                              ).fetchone()[0] == "resumed"
 
 
-async def test_op_release_and_the_block_end_after_a_takeover(flavour: Any, server: Any,
+async def test_op_release_and_the_block_end_after_a_takeover(any_flavour: Any, server: Any,
                                                              db: str) -> None:
-    api, conn = flavour
+    api, conn = any_flavour
     scope = _scope()
     # op.release() on a key taken over: LeaseLost, no server error
     with pytest.raises(errors.LeaseLost):
@@ -386,11 +408,11 @@ def test_no_timing_oracle_in_the_outcome_forms(server: Any, db: str, fn: str) ->
         judge(lambda: server_side(conn, OUTCOME_CALLS[fn], classes), classes, fn)
 
 
-async def test_package_argument_errors_name_the_outcome_function(flavour: Any) -> None:
+async def test_package_argument_errors_name_the_outcome_function(any_flavour: Any) -> None:
     """What the package's heartbeat() and release() send is the outcome form: its argument
     errors (and the NULL scope the package refuses before sending, as the server would) name
     idempotency.heartbeat_outcome / release_outcome and the argument."""
-    api, conn = flavour
+    api, conn = any_flavour
     cases = [
         (lambda: api.heartbeat(conn, None, "k", 1), errors.ArgumentNull,
          "idempotency.heartbeat_outcome", "scope", None),
@@ -410,4 +432,4 @@ async def test_package_argument_errors_name_the_outcome_function(flavour: Any) -
         assert (e.function, e.argument) == (function, argument)
         # None: refused in the package, nothing sent; else the server's error
         assert (e.pgerror.sqlstate if e.pgerror is not None else None) == sent
-        await call(conn.rollback())
+        await rollback(conn)
