@@ -101,6 +101,15 @@ def is_asyncpg_pool(obj: Any) -> bool:
     return isinstance(obj, asyncpg.Pool)
 
 
+def gone(conn: Any) -> bool:
+    """Whether ``conn`` is closed, or is a pool's connection that its pool took back under us
+    (asyncpg detaches a lost connection's proxy: every method of it raises then)."""
+    try:
+        return bool(conn.is_closed())
+    except Exception:  # noqa: BLE001 - InterfaceError: released back to the pool
+        return True
+
+
 # -- errors ------------------------------------------------------------------------------------
 
 def translate(exc: Exception, request: Request | None) -> Exception:
@@ -147,35 +156,56 @@ class Session:
         """psycopg's view of the connection: its status, and autocommit (asyncpg's always is:
         a statement outside a transaction commits on its own)."""
         conn = self.conn
-        if conn.is_closed():
+        if gone(conn):
             return TransactionStatus.UNKNOWN, True
         return (TransactionStatus.INTRANS if conn.is_in_transaction()
                 else TransactionStatus.IDLE), True
+
+    def _raise_lost(self, exc: Exception) -> None:
+        """Raise DatabaseUnavailable for ``exc`` when the connection is gone after it
+        (asyncpg's errors on a connection that broke mid-statement are not all of a lost
+        connection's kinds: a released proxy's InterfaceError, say); else return."""
+        if not is_unavailable(exc) and not isinstance(exc, IdempotencyError) \
+                and gone(self.conn):
+            raise DatabaseUnavailable(f"the database is unavailable: {exc}",
+                                      pgerror=exc) from exc
 
     async def begin(self) -> None:
         """Start the business transaction, unless one is open (a transaction of the package's
         that ended outside it, by a ROLLBACK of the caller's, is forgotten: never write in
         autocommit believing a transaction open)."""
-        if not self.conn.is_in_transaction():
-            self.tx = None
-            tx = self.conn.transaction()
-            await tx.start()
-            self.tx = tx
+        try:
+            if not self.conn.is_in_transaction():
+                self.tx = None
+                tx = self.conn.transaction()
+                await tx.start()
+                self.tx = tx
+        except Exception as exc:
+            self._raise_lost(exc)
+            raise
 
     async def end(self, commit: bool) -> None:
         """Commit or roll back the transaction the package started (nothing else is the
         package's to end)."""
         tx, self.tx = self.tx, None
         if tx is not None:
-            await (tx.commit() if commit else tx.rollback())
+            try:
+                await (tx.commit() if commit else tx.rollback())
+            except Exception as exc:
+                self._raise_lost(exc)
+                raise
 
     async def execute(self, q: Query) -> Any:
         sql, names = _statement(q.sql)
         args = _args(names, q.params)
-        if q.fetch == "one":
-            row = await self.conn.fetchrow(sql, *args)
-        else:
-            row = await self.conn.fetch(sql, *args)
+        try:
+            if q.fetch == "one":
+                row = await self.conn.fetchrow(sql, *args)
+            else:
+                row = await self.conn.fetch(sql, *args)
+        except Exception as exc:
+            self._raise_lost(exc)
+            raise
         if q.commit:
             await self.end(True)
         return row

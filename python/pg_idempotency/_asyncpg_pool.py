@@ -28,7 +28,7 @@ from typing import Any
 
 from psycopg.pq import TransactionStatus
 
-from ._asyncpg import Session, drive, is_asyncpg
+from ._asyncpg import Session, drive, gone, is_asyncpg
 from ._exec import Gen, Query, Tx
 from ._pooled import PoolTimeout, _not_now
 from .errors import DatabaseUnavailable, UsageError, is_unavailable
@@ -112,7 +112,7 @@ class AsyncpgHold:
         self.pinned = False
         try:
             if conn is not None:
-                if conn.is_closed():
+                if gone(conn):
                     self.lost = True
                 await asyncio.shield(asyncio.ensure_future(self._return(conn, session)))
         finally:
@@ -120,7 +120,10 @@ class AsyncpgHold:
 
     async def _return(self, conn: Any, session: Session | None) -> None:
         try:
-            if not conn.is_closed() and conn.is_in_transaction():
+            if self.lost and not gone(conn):
+                # broken under us (an InternalClientError, an outage): not to be reused
+                conn.terminate()
+            if not gone(conn) and conn.is_in_transaction():
                 try:
                     if session is not None and session.tx is not None:
                         await session.end(False)
@@ -140,7 +143,7 @@ class AsyncpgHold:
         conn = self.conn
         if conn is None:
             return
-        if conn.is_closed() or not (conn.is_in_transaction() or (self.pinned and self.in_tx)):
+        if gone(conn) or not (conn.is_in_transaction() or (self.pinned and self.in_tx)):
             await self.give_back()
 
     async def close(self) -> None:
@@ -155,7 +158,12 @@ class AsyncpgHold:
         """:func:`pg_idempotency._pooled.arun_pooled` on this pool's connections."""
         async def execute(q: Query) -> Any:
             session = await self.take(business=self.in_tx)
-            value = await session.execute(q)
+            try:
+                value = await session.execute(q)
+            except Exception as exc:
+                if is_unavailable(exc):
+                    self.lost = True
+                raise
             if q.commit:
                 self.in_tx = False
             return value
@@ -223,11 +231,11 @@ class PooledAsyncpgConnection:
 
     def is_in_transaction(self) -> bool:
         conn = self._hold.conn
-        return conn is not None and conn.is_in_transaction()
+        return conn is not None and not gone(conn) and conn.is_in_transaction()
 
     def is_closed(self) -> bool:
         conn = self._hold.conn
-        return conn is not None and conn.is_closed()
+        return conn is not None and gone(conn)
 
     @property
     def broken(self) -> bool:

@@ -366,12 +366,17 @@ def _asyncpg_unavailable(exc: BaseException) -> bool:
     ConnectionDoesNotExistError, 08003, for a connection lost mid-statement; its
     ConnectionFailureError, 08006), 57P01..57P03 (AdminShutdownError for a terminated backend,
     CannotConnectNowError), Citus's XX000 for a lost worker, or the InterfaceError of a closed
-    connection."""
+    connection, or its InternalClientError (a connection whose protocol state broke)."""
     state = getattr(exc, "sqlstate", None)
     if isinstance(state, str):
         if state == "XX000":
             return str(getattr(exc, "message", "") or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
         return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+    if type(exc).__name__ == "InternalClientError":
+        # asyncpg's protocol state broken on that connection ("another operation is in
+        # progress" after a backend was terminated mid-statement): the connection is unusable,
+        # the next one works
+        return True
     return type(exc).__name__ == "InterfaceError" and str(exc) in _ASYNCPG_CLOSED
 
 

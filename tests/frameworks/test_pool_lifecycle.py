@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import asyncpg
 import flask
 import httpx
 import psycopg
@@ -216,20 +217,41 @@ async def test_cancelled_requests_give_their_connection_back(db: str) -> None:
 
 # -- ASGI over uvicorn: retry storms with client disconnects and backend kills ------------------
 
-def _storm_app(db: str, pool: AsyncConnectionPool) -> Any:
+def _storm_app(db: str, pool: AsyncConnectionPool | None, made: dict[str, Any]) -> Any:
+    """The storm's app over ``pool``, or (None) over an asyncpg pool that its lifespan makes
+    in ``made["pool"]``."""
     async def pay(request: Request) -> Response:
         op = pg_asgi.get_operation(request)
         assert op is not None
         data = json.loads(await request.body())
         await asyncio.sleep(random.uniform(0, 0.03))  # the provider
-        await op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (data["intent"],))
+        if pool is None:
+            await op.conn.execute("INSERT INTO ledger (intent) VALUES ($1)", data["intent"])
+        else:
+            await op.conn.execute("INSERT INTO ledger (intent) VALUES (%s)", (data["intent"],))
         return Response(_answer(data["intent"]), status_code=201,
                         media_type="application/json")
 
     inner = Starlette(routes=[Route("/pay", pay, methods=["POST"])])
-    app = pg_asgi.IdempotencyMiddleware(inner, pool=pool, scope=lambda r: "acct",
-                                        routes={"POST /pay": "required"}, lease=1.0, wait=0.2)
-    return with_pool_lifespan(pool, app)
+    app = pg_asgi.IdempotencyMiddleware(
+        inner, pool=pool if pool is not None else (lambda: made["pool"]), scope=lambda r: "acct",
+        routes={"POST /pay": "required"}, lease=1.0, wait=0.2)
+    if pool is not None:
+        return with_pool_lifespan(pool, app)
+
+    async def wrapped(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "lifespan":
+            await receive()
+            made["pool"] = await asyncpg.create_pool(
+                db, min_size=3, max_size=3, server_settings={"application_name": APP_NAME})
+            await send({"type": "lifespan.startup.complete"})
+            await receive()
+            await made["pool"].close()
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await app(scope, receive, send)
+
+    return wrapped
 
 
 def _killer(db: str, stop: threading.Event, every: float) -> Callable[[], int]:
@@ -294,15 +316,19 @@ async def _async_storm(base: str, intents: list[str], seed: int) -> dict[str, li
 
 @pytest.mark.parametrize("server", ["pg15"], indirect=True)
 @pytest.mark.parametrize("kills", [False, True], ids=["disconnects", "disconnects-and-kills"])
-def test_asgi_retry_storm(db: str, kills: bool) -> None:
-    """Retry storms through the middleware over uvicorn (pool of 3): client disconnects, and
-    then backend kills as well. 0 duplicates, 0 lost, byte-identical answers for each key,
-    the pool idle and no session idle in transaction after each storm."""
+@pytest.mark.parametrize("driver", ["psycopg", "asyncpg"])
+def test_asgi_retry_storm(db: str, kills: bool, driver: str) -> None:
+    """Retry storms through the middleware over uvicorn (pool of 3, psycopg's or asyncpg's):
+    client disconnects, and then backend kills as well. 0 duplicates, 0 lost, byte-identical
+    answers for each key, the pool idle and no session idle in transaction after each
+    storm."""
     _setup(db)
+    made: dict[str, Any] = {}
     pool = AsyncConnectionPool(db, min_size=3, max_size=3, timeout=WAIT_BOUND, open=False,
-                               kwargs={"application_name": APP_NAME})
+                               kwargs={"application_name": APP_NAME}) \
+        if driver == "psycopg" else None
     intents = [f"{'k' if kills else 'd'}{i:02}" for i in range(24)]
-    with uvicorn_server(_storm_app(db, pool)) as base:
+    with uvicorn_server(_storm_app(db, pool, made)) as base:
         join = _killer(db, threading.Event(), 0.2) if kills else (lambda: 0)
         try:
             answers = asyncio.run(_async_storm(base, intents, seed=50 + kills))
@@ -310,7 +336,13 @@ def test_asgi_retry_storm(db: str, kills: bool) -> None:
             killed = join()
         if kills:
             assert killed > 0
-        _assert_clean(db, pool)
+        if pool is not None:
+            _assert_clean(db, pool)
+        else:
+            apool = made["pool"]
+            wait_until(lambda: apool.get_idle_size() == apool.get_size(),
+                       "the asyncpg pool back to idle")
+            assert _idle_in_transaction(db) == []
     ledger = _ledger(db)
     assert ledger == sorted(intents), "duplicates or lost payments"
     for intent, bodies in answers.items():
