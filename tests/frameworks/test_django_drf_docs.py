@@ -1,7 +1,7 @@
 """docs/django.md's Django REST framework section, run as written: its views module (an
 APIView, a ViewSet and an ``@api_view`` function view) with the default settings (whose
-``REPLAY_HEADERS`` keep DRF's Allow and Vary), on the example app's models, through Django's test client on real PostgreSQL with
-ATOMIC_REQUESTS off and on."""
+``REPLAY_HEADERS`` keep DRF's Allow and Vary), on the example app's models, through Django's
+test client on real PostgreSQL with ATOMIC_REQUESTS off and on."""
 
 from __future__ import annotations
 
