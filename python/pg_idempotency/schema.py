@@ -18,7 +18,7 @@ from typing import Final
 SCHEMA_VERSIONS: Final[dict[int, str]] = {
     1: "0.1.0", 2: "0.2.0", 3: "0.3.0", 4: "0.4.0", 5: "0.5.0", 6: "0.6.0", 7: "0.7.0",
     8: "0.8.0", 9: "0.9.0", 10: "0.10.0", 11: "0.11.0",
-    12: "0.12.0", 13: "0.13.0",
+    12: "0.12.0", 13: "0.13.0", 14: "0.14.0",
 }
 
 #: The newest migration the package ships: a database must have it before the package runs.
