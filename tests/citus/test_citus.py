@@ -70,7 +70,8 @@ def _claim(dsn: str, scope: str, key: str, request: str = "{}", **kw: Any) -> tu
 
 def test_distribute_twice_changes_nothing_and_places_the_tables(citus: Cluster) -> None:
     with psycopg.connect(citus.dsn, autocommit=True) as conn:
-        assert conn.execute("SELECT count(*) FROM idempotency.distribute()").fetchone() == (0,)
+        assert conn.execute("SELECT count(*) FROM idempotency.distribute(delegate => true)"
+                            ).fetchone() == (0,)
         tables = dict(conn.execute(
             "SELECT logicalrelid::regclass::text, partmethod FROM pg_dist_partition"
             " WHERE logicalrelid::regclass::text IN ('idempotency.keys',"
@@ -113,6 +114,77 @@ def test_distribute_twice_changes_nothing_and_places_the_tables(citus: Cluster) 
         assert {f for f, m in modes.items() if "plan_cache_mode=force_custom_plan" in m} \
             == custom, dsn
         assert {f: m for f, m in modes.items() if f in routes} == dict.fromkeys(routes, ""), dsn
+
+
+DELEGATED = ["accept", "checkpoint", "checkpoint_outcome", "claim", "complete", "complete_bytes",
+             "heartbeat", "heartbeat_outcome", "inbox_accept", "release", "release_outcome",
+             "takeover"]
+
+
+def _delegated(cluster: Cluster) -> list[list[str]]:
+    """The functions delegated by their first argument, as each node's metadata says
+    (coordinator first)."""
+    out = []
+    for dsn in [cluster.dsn, *cluster.worker_dsns()]:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            out.append([name for (name,) in conn.execute(
+                "SELECT p.proname::text FROM pg_dist_object AS o JOIN pg_proc AS p"
+                " ON p.oid = o.objid WHERE o.classid = 'pg_proc'::regclass"
+                " AND o.distribution_argument_index = 0 AND o.force_delegation"
+                " ORDER BY 1").fetchall()])
+    return out
+
+
+def test_distribute_delegates_only_when_asked_and_undoes_it(citus_cluster: Any) -> None:
+    """distribute() with no options delegates nothing (a stock Citus crashes on some SQL around
+    a delegated call, docs/scale-out.md): every function is on every node and a top-level call
+    through the coordinator runs its body there, each statement sent to the scope's worker.
+    delegate => true delegates the per-key functions on every node; delegate => false (the
+    default, so distribute() after a migration too) undoes it everywhere."""
+    c = installed(citus_cluster, "idem_modes", 4, delegate=False)
+    assert _delegated(c) == [[], [], []]
+    scope = _scope()
+    with psycopg.connect(c.dsn, autocommit=True) as conn:
+        notices: list[str] = []
+        conn.add_notice_handler(lambda d: notices.append(d.message_primary or ""))
+        conn.execute("SET citus.log_remote_commands = on")
+        conn.execute("SET client_min_messages = log")
+        assert conn.execute("SELECT outcome FROM idempotency.claim(%s, 'k', '{}')",
+                            (scope,)).fetchone() == ("claimed",)
+        sent = [n for n in notices if n.startswith("issuing")]
+        conn.execute("RESET client_min_messages")
+        assert sent and not [n for n in sent if "idempotency.claim(" in n], sent
+        assert [n for n in sent if "idempotency.key_directory" in n], sent
+        rows = conn.execute("SELECT object, action FROM idempotency.distribute(delegate => true)"
+                            ).fetchall()
+        assert sorted(o.split("(")[0] for o, a in rows if a.startswith("delegated by ")) == [
+            f"idempotency.{f}" for f in DELEGATED]
+        assert _delegated(c) == [DELEGATED] * 3
+        role = f"request_{uuid.uuid4().hex[:6]}"
+        conn.execute(sql.SQL("CREATE ROLE {} LOGIN").format(sql.Identifier(role)))
+        conn.execute("SELECT idempotency.grant_usage(%s::regrole, kind => 'request')", (role,))
+        comment = "SELECT obj_description('idempotency.claim'::regproc, 'pg_proc')"
+        before = conn.execute(comment).fetchone()
+        rows = conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall()
+        assert sorted(o.split("(")[0] for o, a in rows if a == "no longer delegated") == [
+            f"idempotency.{f}" for f in DELEGATED]
+        assert conn.execute(comment).fetchone() == before
+        assert conn.execute("SELECT count(*) FROM idempotency.distribute()").fetchone() == (0,)
+        with pytest.raises(psycopg.Error) as info:
+            conn.execute("SELECT idempotency.distribute(delegate => NULL)")
+        assert info.value.sqlstate == "IK014"
+    assert _delegated(c) == [[], [], []]
+    # Undoing it recreated the functions on every node: the request role may still call them
+    # there, and PUBLIC still may not.
+    for i, node in enumerate(c.cluster.nodes):
+        with psycopg.connect(node.dsn(c.db, user=role), autocommit=True) as conn:
+            assert conn.execute("SELECT outcome FROM idempotency.claim(%s, 'k', '{}')",
+                                (f"{scope}_{i}",)).fetchone() == ("claimed",)
+        with psycopg.connect(node.dsn(c.db), autocommit=True) as conn:
+            assert conn.execute("SELECT has_function_privilege('public', 'idempotency.claim("
+                                "text, text, jsonb, interval, bytea, boolean, timestamptz)',"
+                                " 'EXECUTE')").fetchone() == (False,)
+    c.cluster.drop_database(c.db)
 
 
 def test_per_key_calls_run_on_one_worker_in_one_hop(citus: Cluster) -> None:

@@ -269,8 +269,16 @@ def test_upgrade_of_a_distributed_install(citus_cluster: Any, citus_db: str) -> 
             ).fetchall()) == dict.fromkeys(
                 ["claim", "complete", "release", "_resume_existing"],
                 "plan_cache_mode=force_custom_plan"), node.name
+    delegated = ("SELECT count(*) FROM pg_dist_object WHERE classid = 'pg_proc'::regclass"
+                 " AND objid = 'idempotency.claim'::regproc AND distribution_argument_index = 0")
     with psycopg.connect(citus_db, autocommit=True) as conn:
+        # 0.9.0's distribute() delegated claim; the migrations leave that as it is ...
+        assert conn.execute(delegated).fetchone() == (1,)
         again = dict(conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall())
+        # ... and distribute() without delegate => true undoes it (docs/scale-out.md).
+        assert conn.execute(delegated).fetchone() == (0,)
+        assert again[conn.execute("SELECT 'idempotency.claim'::regproc::regprocedure::text"
+                                  ).fetchone()[0]] == "no longer delegated"
         assert "idempotency.keys" not in again  # tables stay as they were distributed
         assert not [a for a in again.values() if a.startswith("plans each")], again
         version = conn.execute("SELECT max(version) FROM idempotency.migrations").fetchone()[0]

@@ -240,8 +240,9 @@ def test_op_checkpoint_after_a_takeover_rolls_the_colocated_write_back(env: Env)
 
 def test_a_distributed_install_upgraded_to_0011_delegates_and_grants_them(
         citus_cluster: Any) -> None:
-    """0.10.0 distributed, a request role granted, then 0011 and distribute() again (as
-    docs/scale-out.md says): the outcome forms are delegated, the role may call them, and a
+    """0.10.0 distributed, a request role granted, then 0011 and later, and
+    distribute(delegate => true) again (as docs/scale-out.md says for a build with the
+    delegation guard): the outcome forms are delegated, the role may call them, and a
     lost lease costs it no new worker session."""
     db = f"idem_up_{uuid.uuid4().hex[:8]}"
     citus_cluster.create_database(db)
@@ -258,7 +259,8 @@ def test_a_distributed_install_upgraded_to_0011_delegates_and_grants_them(
     for migration in migrations[10:]:
         cluster.coordinator.run_psql(cluster.dsn, migration, args=MIGRATION_PSQL_ARGS)
     with psycopg.connect(cluster.dsn, autocommit=True) as conn:
-        done = conn.execute("SELECT object, action FROM idempotency.distribute()").fetchall()
+        done = conn.execute("SELECT object, action FROM idempotency.distribute("
+                            "delegate => true)").fetchall()
         token = conn.execute("SELECT lease_token FROM idempotency.claim('t', 'k', '{}')"
                              ).fetchone()[0]
     delegated = {o.split("(")[0] for o, a in done if a == "delegated by scope"}

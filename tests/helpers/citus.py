@@ -48,17 +48,22 @@ class Cluster:
         return next(w.dsn(self.db) for w in self.workers if w.port == port)
 
 
-def installed(citus_cluster: Any, prefix: str, shards: int) -> Cluster:
+def installed(citus_cluster: Any, prefix: str, shards: int, *, delegate: bool = True) -> Cluster:
     """A new database on every node, installed as docs/scale-out.md says: the migrations on the
-    coordinator, then distribute(shards)."""
+    coordinator, then distribute(shards, delegate). Delegated unless asked otherwise: the
+    project's Citus builds carry the delegation guard (tools/build_citus.py), and most Citus
+    tests check what delegation does. test_citus_shapes.py and
+    test_citus.py::test_distribute_delegates_only_when_asked_and_undoes_it run the default,
+    undelegated install; calls that are not delegated (a subquery, a client on a worker) run
+    in the delegated installs too."""
     db = f"{prefix}_{uuid.uuid4().hex[:8]}"
     citus_cluster.create_database(db)
     c = Cluster(citus_cluster, db)
     for migration in sorted(MIGRATIONS.glob("*.sql")):
         c.coordinator.run_psql(c.dsn, migration, args=MIGRATION_PSQL_ARGS)
     with psycopg.connect(c.dsn, autocommit=True) as conn:
-        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s)",
-                            (shards,)).fetchall()
+        done = conn.execute("SELECT object, action FROM idempotency.distribute(%s, delegate => %s)",
+                            (shards, delegate)).fetchall()
     assert ("idempotency.keys", "distributed by scope") in done
     return c
 

@@ -73,6 +73,9 @@ ALLOWED: dict[tuple[str, str], str] = {
     ("metrics", "run_command_on_all_nodes("):
         "a Citus function: after distribute(), metrics() sums the shards' statistics on every "
         "node (tests/citus/test_citus_ops.py)",
+    ("_recreate_function", "text type variable is not sanitized"):
+        "it executes pg_get_functiondef()'s text of a function of the schema (distribute() "
+        "undoing a Citus delegation, tests/citus/test_citus.py), not anything a caller wrote",
     ("distribute", 'unused variable "v_fn"'):
         "the loop variable of the FOR over the Citus catalog query above, which the checker "
         "could not compile",
