@@ -63,7 +63,7 @@ BUILD_DEBS = ["clang-14", "make", "autoconf", "flex", "bison", "liblz4-dev", "li
 CITUS_TAG = {"pg18": "14.0.1", "pg15": "13.2.2"}
 PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
 # Bump when the recipe below changes in a way the key would not see.
-RECIPE = "3"
+RECIPE = "4"
 
 
 def citus_sources() -> Path:
@@ -194,7 +194,133 @@ def patch_tree(src: Path) -> None:
              "\t\tereport(DEBUG1, (errmsg(\"not pushing down a function call whose query has"
              " more than one range table entry\")));\n"
              "\t\treturn NULL;\n\t}\n\n")
-    delegation.write_text(text.replace(anchor, guard + anchor, 1))
+    text = text.replace(anchor, guard + anchor, 1)
+    # Delegation only for the plain forms. Delegating deparses the query standard_planner has
+    # already planned: sublinks are Params of subplans there, grouping sets rewritten, and so
+    # on; every form outside the one the worker is sent back whole crashed the node or gave a
+    # wrong answer (grouping sets, a sublink in the target list, LIMIT, OFFSET or ORDER BY,
+    # EXPLAIN ANALYZE). So delegation is declined unless the query is exactly
+    #   SELECT <columns of the call> FROM f(<args>) [AS alias[(names)]]     or
+    #   SELECT f(<args>)
+    # with nothing else: no sublink anywhere, no aggregate, grouping, HAVING, window, DISTINCT,
+    # CTE, set operation, ORDER BY, LIMIT/OFFSET, row mark, WHERE, ordinality, column
+    # definition list or set-returning argument, and not while EXPLAIN plans it. Anything
+    # else runs its call on the node that plans it, as any nested call does.
+    anchor = "\tif (PlanningInsertSelect())\n"
+    if text.count(anchor) != 1:
+        raise SystemExit(f"{delegation}: the plain-form guard's anchor is missing")
+    guard = ("\t/* pg_idempotency build patch: delegate only the plain forms */\n"
+             "\tif (!PgIdemIsPlainCall(planContext->query, funcExpr, fromFuncExpr != NULL))\n"
+             "\t{\n\t\tereport(DEBUG1, (errmsg(\"not pushing down a function call that is not"
+             " the plain form\")));\n\t\treturn NULL;\n\t}\n\n")
+    text = text.replace(anchor, guard + anchor, 1)
+    anchor = "bool InDelegatedFunctionCall = false;\n"
+    if text.count(anchor) != 1:
+        raise SystemExit(f"{delegation}: the plain-form check's anchor is missing")
+    text = text.replace(anchor, anchor + PLAIN_CALL, 1)
+    delegation.write_text(text)
+    # The flag PgIdemIsPlainCall reads: set while EXPLAIN plans a query.
+    explain = src / "src" / "backend" / "distributed" / "planner" / "multi_explain.c"
+    text = explain.read_text()
+    anchor = "\n\tPlannedStmt *plan = pg_plan_query(query, NULL, cursorOptions, params);\n"
+    if text.count(anchor) != 1:
+        raise SystemExit(f"{explain}: the EXPLAIN planning anchor is missing")
+    text = text.replace(anchor, EXPLAIN_PLANNING, 1)
+    anchor = '#include "distributed/worker_protocol.h"\n'
+    if text.count(anchor) != 1:
+        raise SystemExit(f"{explain}: the include anchor is missing")
+    explain.write_text(text.replace(anchor, anchor + "\nextern bool PgIdemPlanningExplain;\n", 1))
+
+
+# C added to function_call_delegation.c (see patch_tree).
+PLAIN_CALL = """
+
+/* pg_idempotency build patch: true while EXPLAIN plans a query (multi_explain.c) */
+bool PgIdemPlanningExplain = false;
+
+
+/*
+ * PgIdemIsPlainCall: whether query is SELECT <columns> FROM funcExpr(...) (inFrom) or
+ * SELECT funcExpr(...), and nothing else; only those are delegated.
+ */
+static bool
+PgIdemIsPlainCall(Query *query, FuncExpr *funcExpr, bool inFrom)
+{
+	if (PgIdemPlanningExplain || query->utilityStmt != NULL ||
+		query->hasAggs || query->hasWindowFuncs || query->hasSubLinks ||
+		query->hasDistinctOn || query->hasRecursive || query->hasModifyingCTE ||
+		query->hasForUpdate || query->cteList != NIL || query->groupClause != NIL ||
+		query->groupingSets != NIL || query->havingQual != NULL ||
+		query->windowClause != NIL || query->distinctClause != NIL ||
+		query->sortClause != NIL || query->limitOffset != NULL ||
+		query->limitCount != NULL || query->rowMarks != NIL ||
+		query->setOperations != NULL || query->returningList != NIL ||
+		query->jointree == NULL || query->jointree->quals != NULL ||
+		list_length(query->jointree->fromlist) != 1 || list_length(query->rtable) != 1)
+	{
+		return false;
+	}
+	RangeTblRef *reference = linitial(query->jointree->fromlist);
+	if (!IsA(reference, RangeTblRef))
+	{
+		return false;
+	}
+	RangeTblEntry *rte = rt_fetch(reference->rtindex, query->rtable);
+	ListCell *cell = NULL;
+	if (inFrom)
+	{
+		if (rte->rtekind != RTE_FUNCTION || rte->funcordinality ||
+			list_length(rte->functions) != 1)
+		{
+			return false;
+		}
+		RangeTblFunction *rtfunc = (RangeTblFunction *) linitial(rte->functions);
+		if (rtfunc->funcexpr != (Node *) funcExpr || rtfunc->funccolnames != NIL)
+		{
+			return false;
+		}
+		foreach(cell, query->targetList)
+		{
+			TargetEntry *entry = (TargetEntry *) lfirst(cell);
+			Var *var = (Var *) entry->expr;
+			if (entry->resjunk || !IsA(var, Var) || var->varno != reference->rtindex ||
+				var->varlevelsup != 0 || var->varattno <= 0)
+			{
+				return false;
+			}
+		}
+	}
+	else
+	{
+		if (rte->rtekind != RTE_RESULT || list_length(query->targetList) != 1)
+		{
+			return false;
+		}
+		TargetEntry *entry = (TargetEntry *) linitial(query->targetList);
+		if (entry->resjunk || entry->expr != (Expr *) funcExpr)
+		{
+			return false;
+		}
+	}
+	return !expression_returns_set((Node *) funcExpr->args);
+}
+"""
+
+EXPLAIN_PLANNING = """
+\tbool pgIdemWasExplain = PgIdemPlanningExplain;
+\tPlannedStmt *volatile pgIdemPlan = NULL;
+\tPgIdemPlanningExplain = true;
+\tPG_TRY();
+\t{
+\t\tpgIdemPlan = pg_plan_query(query, NULL, cursorOptions, params);
+\t}
+\tPG_FINALLY();
+\t{
+\t\tPgIdemPlanningExplain = pgIdemWasExplain;
+\t}
+\tPG_END_TRY();
+\tPlannedStmt *plan = pgIdemPlan;
+"""
 
 
 def build(flavour: str, tarball: Path, out: Path) -> None:
