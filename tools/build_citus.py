@@ -22,18 +22,17 @@ Build choices:
   apt upgrades the server under us and an extension built for 15.20 fails to load in 15.18;
   Citus 13.2.2 also redefines ``have_createdb_privilege()``, which PostgreSQL exports since
   15.20, so the build tree (never the repository) gets that definition guarded.
-- Both releases: a delegated function called with NULL as its distribution argument
-  (``idempotency.claim(NULL, ...)``) crashes the backend in function-call delegation, which
-  reads the NULL constant as a datum. The build tree gets a guard that declines delegation
-  for a NULL argument, so the call runs on the coordinator and our own argument check
-  answers IK010.
-- Both releases: a delegated function inside a FROM-subquery that PostgreSQL pulls up
-  (``SELECT * FROM (SELECT r.outcome FROM idempotency.claim(...) AS r) AS q``, and the same
-  through a CTE) crashes the backend: delegation deparses the already-planned query, whose
-  pulled-up subquery entry has no query left. The build tree gets a guard that declines
-  delegation unless the query's range table is the one function (or empty FROM) entry, so the
-  call runs on the coordinator like any other nested call.
-  Unpatched Citus is a documented limit for both (docs/scale-out.md, upstream report text).
+- Both releases: function-call delegation (``TryToDelegateFunctionCall``) deparses, for the
+  worker, the query standard_planner has already rewritten, and crashes the backend or answers
+  wrongly for much of the SQL that can surround a delegated call: a NULL distribution
+  argument, a FROM-subquery the planner pulls up, a sublink in the target list, LIMIT, OFFSET
+  or ORDER BY, ROLLUP and grouping sets, EXPLAIN ANALYZE. The build tree gets guards that
+  delegate only the plain forms, ``SELECT <columns of the call> FROM f(...)`` and
+  ``SELECT f(...)`` with nothing else, not under EXPLAIN, and not with a NULL argument; every
+  other call runs on the node that plans it, as any nested call does (the function's own
+  check then answers a NULL scope with IK010).
+  Unpatched Citus is a documented limit (docs/scale-out.md: "Delegation" and "Limits", with
+  the upstream report text); ``distribute()`` delegates nothing unless asked.
 
 A missing source tarball is reported loudly and the flavour is left without Citus: the
 Citus tests then fail (harness/citus_cluster.py says why); they are never skipped.

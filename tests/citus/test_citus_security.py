@@ -9,11 +9,13 @@ running server: an already-open session on the coordinator and on each worker st
 with the same backend pid, the postmaster pid is unchanged, and no "terminated by signal"
 appears in any node's log.
 
-Two shapes crashed unpatched Citus (a segmentation fault, every session of the node cut):
-a NULL distribution argument and a call in a FROM-subquery that PostgreSQL pulls up (also
-reached through an inlined CTE, a view or an inlined SQL function). tools/build_citus.py
-patches both; docs/scale-out.md has the upstream report. With an unpatched build these tests
-fail (the crashed statement has no SQLSTATE and the watching sessions are cut).
+The install is delegated (``distribute(delegate => true)``), on the project's Citus builds,
+which delegate only the plain call forms (tools/build_citus.py). Two of these shapes crashed
+unpatched Citus (a segmentation fault, every session of the node cut): a NULL distribution
+argument and a call in a FROM-subquery that PostgreSQL pulls up (also reached through an
+inlined CTE, a view or an inlined SQL function); docs/scale-out.md has the upstream report.
+With an unpatched build these tests fail (the crashed statement has no SQLSTATE and the
+watching sessions are cut). test_citus_shapes.py generates many more shapes, in both modes.
 """
 
 from __future__ import annotations
