@@ -27,7 +27,7 @@ Build choices:
   wrongly for much of the SQL that can surround a delegated call: a NULL distribution
   argument, a FROM-subquery the planner pulls up, a sublink in the target list, LIMIT, OFFSET
   or ORDER BY, ROLLUP and grouping sets, EXPLAIN ANALYZE. The build tree gets guards that
-  delegate only the plain forms, ``SELECT <columns of the call> FROM f(...)`` and
+  delegate only the plain forms, ``SELECT <expressions of the call's columns> FROM f(...)`` and
   ``SELECT f(...)`` with nothing else, not under EXPLAIN, and not with a NULL argument; every
   other call runs on the node that plans it, as any nested call does (the function's own
   check then answers a NULL scope with IK010).
@@ -62,7 +62,7 @@ BUILD_DEBS = ["clang-14", "make", "autoconf", "flex", "bison", "liblz4-dev", "li
 CITUS_TAG = {"pg18": "14.0.1", "pg15": "13.2.2"}
 PG15_BINDIR = Path("/usr/lib/postgresql/15/bin")
 # Bump when the recipe below changes in a way the key would not see.
-RECIPE = "4"
+RECIPE = "5"
 
 
 def citus_sources() -> Path:
@@ -199,11 +199,13 @@ def patch_tree(src: Path) -> None:
     # on; every form outside the one the worker is sent back whole crashed the node or gave a
     # wrong answer (grouping sets, a sublink in the target list, LIMIT, OFFSET or ORDER BY,
     # EXPLAIN ANALYZE). So delegation is declined unless the query is exactly
-    #   SELECT <columns of the call> FROM f(<args>) [AS alias[(names)]]     or
+    #   SELECT <expressions of the call's columns> FROM f(<args>) [AS alias[(names)]]   or
     #   SELECT f(<args>)
-    # with nothing else: no sublink anywhere, no aggregate, grouping, HAVING, window, DISTINCT,
-    # CTE, set operation, ORDER BY, LIMIT/OFFSET, row mark, WHERE, ordinality, column
-    # definition list or set-returning argument, and not while EXPLAIN plans it. Anything
+    # (the package's statements: extract(epoch FROM r)::text, response_body::text, ...)
+    # with nothing else: no sublink, Param or whole-row column in the target list; no sublink
+    # anywhere, no aggregate, grouping, HAVING, window, DISTINCT, CTE, set operation, ORDER BY,
+    # LIMIT/OFFSET, row mark, WHERE, ordinality, column definition list or set-returning
+    # argument or target, and not while EXPLAIN plans it. Anything
     # else runs its call on the node that plans it, as any nested call does.
     anchor = "\tif (PlanningInsertSelect())\n"
     if text.count(anchor) != 1:
@@ -239,8 +241,36 @@ bool PgIdemPlanningExplain = false;
 
 
 /*
- * PgIdemIsPlainCall: whether query is SELECT <columns> FROM funcExpr(...) (inFrom) or
- * SELECT funcExpr(...), and nothing else; only those are delegated.
+ * PgIdemNotPlainTarget: whether a target entry's expression holds anything but columns of
+ * the call (range-table entry *context, this query level) under plain operators, casts and
+ * function calls: a Param, sublink, subplan, aggregate, window or grouping function, or a
+ * whole-row or outer column, is not deparsed back as it was written.
+ */
+static bool
+PgIdemNotPlainTarget(Node *node, void *context)
+{
+	if (node == NULL)
+	{
+		return false;
+	}
+	if (IsA(node, Var))
+	{
+		Var *var = (Var *) node;
+		return var->varno != *(int *) context || var->varlevelsup != 0 || var->varattno <= 0;
+	}
+	if (IsA(node, Param) || IsA(node, SubLink) || IsA(node, SubPlan) ||
+		IsA(node, AlternativeSubPlan) || IsA(node, Aggref) || IsA(node, WindowFunc) ||
+		IsA(node, GroupingFunc))
+	{
+		return true;
+	}
+	return expression_tree_walker(node, PgIdemNotPlainTarget, context);
+}
+
+
+/*
+ * PgIdemIsPlainCall: whether query is SELECT <expressions of its columns> FROM funcExpr(...)
+ * (inFrom) or SELECT funcExpr(...), and nothing else; only those are delegated.
  */
 static bool
 PgIdemIsPlainCall(Query *query, FuncExpr *funcExpr, bool inFrom)
@@ -278,12 +308,12 @@ PgIdemIsPlainCall(Query *query, FuncExpr *funcExpr, bool inFrom)
 		{
 			return false;
 		}
+		int rtindex = reference->rtindex;
 		foreach(cell, query->targetList)
 		{
 			TargetEntry *entry = (TargetEntry *) lfirst(cell);
-			Var *var = (Var *) entry->expr;
-			if (entry->resjunk || !IsA(var, Var) || var->varno != reference->rtindex ||
-				var->varlevelsup != 0 || var->varattno <= 0)
+			if (entry->resjunk || expression_returns_set((Node *) entry->expr) ||
+				PgIdemNotPlainTarget((Node *) entry->expr, &rtindex))
 			{
 				return false;
 			}
