@@ -202,7 +202,7 @@ SELECT is_empty(
 );
 SELECT ok(
     NOT has_function_privilege('idem_t40_app', 'idempotency._new_token(bigint)', 'EXECUTE')
-    AND NOT has_function_privilege('idem_t40_app', 'idempotency.distribute(integer)', 'EXECUTE'),
+    AND NOT has_function_privilege('idem_t40_app', 'idempotency.distribute(integer, boolean)', 'EXECUTE'),
     'grant_usage: no privilege on _new_token, nor on distribute (the owner''s)'
 );
 

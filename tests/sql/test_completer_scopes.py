@@ -71,7 +71,8 @@ def _clear(owner: psycopg.Connection[Any], *scopes: str) -> None:
 def _check_limited(dsn: str, role: str, mine: str, other: str,
                    owner: psycopg.Connection[Any], *, citus: bool = False) -> None:
     """As ``role`` (limited to ``mine``): the other scope is refused and left as it was.
-    (Citus passes a worker's error on without its COLUMN field.)"""
+    (``citus``: the call is delegated, and Citus passes a worker's error on without its COLUMN
+    field.)"""
     before = _key_rows(owner, other)
     with psycopg.connect(dsn, user=role, autocommit=True) as conn:
         with conn.transaction():
@@ -207,13 +208,16 @@ def test_grant_usage_checks_scopes(server: Any, db: str, owner: psycopg.Connecti
 
 # -- Citus --------------------------------------------------------------------------------------
 
-@pytest.fixture
-def distributed_db(citus_cluster: Any, citus_db: str) -> Iterator[str]:
-    """citus_db with the migrations applied on the coordinator, then distribute()."""
+@pytest.fixture(params=[False, True], ids=["default", "delegated"])
+def distributed_db(request: pytest.FixtureRequest, citus_cluster: Any,
+                   citus_db: str) -> Iterator[str]:
+    """citus_db with the migrations applied on the coordinator, then distribute(), by default
+    or with delegation (``request.param``)."""
     for migration in sorted(MIGRATIONS.glob("*.sql")):
         citus_cluster.coordinator.run_psql(citus_db, migration, args=MIGRATION_PSQL_ARGS)
     with psycopg.connect(citus_db, autocommit=True) as conn:
-        conn.execute("SELECT * FROM idempotency.distribute(shard_count => 4)").fetchall()
+        conn.execute("SELECT * FROM idempotency.distribute(shard_count => 4, delegate => %s)",
+                     (request.param,)).fetchall()
         placed = conn.execute(
             "SELECT partmethod FROM pg_dist_partition"
             " WHERE logicalrelid = 'idempotency.completer_grants'::regclass").fetchone()
@@ -221,11 +225,13 @@ def distributed_db(citus_cluster: Any, citus_db: str) -> Iterator[str]:
     yield citus_db
 
 
-def test_completer_limited_to_its_scopes_on_citus(citus_cluster: Any,
-                                                  distributed_db: str) -> None:
+def test_completer_limited_to_its_scopes_on_citus(citus_cluster: Any, distributed_db: str,
+                                                  request: pytest.FixtureRequest) -> None:
     """Through the coordinator, with the two scopes on different workers' shards: takeover
-    runs on the worker holding the scope's shard, and is refused there."""
+    runs on the coordinator (by default) or on the worker holding the scope's shard
+    (delegated), and is refused there."""
     dsn = distributed_db
+    delegated = "delegated" in request.node.callspec.id
     with psycopg.connect(dsn, autocommit=True) as owner:
         # Two scopes whose shards are on different workers.
         found: dict[int, str] = {}
@@ -248,7 +254,7 @@ def test_completer_limited_to_its_scopes_on_citus(citus_cluster: Any,
                           " ARRAY[%s])", (limited, mine))
             owner.execute("SELECT idempotency.grant_usage(%s::regrole, 'completer')", (wide,))
             _setup_keys(owner, mine, other)
-            _check_limited(dsn, limited, mine, other, owner, citus=True)
+            _check_limited(dsn, limited, mine, other, owner, citus=delegated)
             with psycopg.connect(dsn, user=wide, autocommit=True) as conn:
                 assert conn.execute("SELECT outcome FROM idempotency.takeover(%s, 'o1')",
                                     (other,)).fetchone() == ("resumed",)
