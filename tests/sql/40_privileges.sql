@@ -202,7 +202,9 @@ SELECT is_empty(
 );
 SELECT ok(
     NOT has_function_privilege('idem_t40_app', 'idempotency._new_token(bigint)', 'EXECUTE')
-    AND NOT has_function_privilege('idem_t40_app', 'idempotency.distribute(integer, boolean)', 'EXECUTE'),
+    AND NOT has_function_privilege(
+        'idem_t40_app', 'idempotency.distribute(integer, boolean)', 'EXECUTE'
+    ),
     'grant_usage: no privilege on _new_token, nor on distribute (the owner''s)'
 );
 
@@ -633,7 +635,7 @@ SELECT results_eq(
         ('_name_ok', 'i'), ('_new_token', 'v'),
         ('_partition_name', 'i'), ('_partition_origin', 'i'), ('_partition_start', 'i'),
         ('_partitions', 's'), ('_premake', 'v'), ('_raw_size', 's'),
-        ('_reapply_grants', 'v'), ('_release_row', 'v'),
+        ('_reapply_grants', 'v'), ('_recreate_function', 'v'), ('_release_row', 'v'),
         ('_require_coordinator', 's'), ('_require_pg_cron', 's'),
         ('_require_read_committed', 's'), ('_resume_existing', 'v'),
         ('_resume_row', 'v'), ('_route_branches', 'i'), ('_shard_branches', 'i'),
