@@ -30,12 +30,11 @@ from sqlalchemy.ext.asyncio import AsyncConnection
 
 from ._exec import Call, Query, Request
 from .errors import (
-    _CITUS_UNAVAILABLE_PREFIXES,
-    _UNAVAILABLE_SQLSTATES,
     DatabaseUnavailable,
     IdempotencyError,
     from_sqlstate,
     is_unavailable,
+    unavailable_state,
 )
 
 _PLACEHOLDER = re.compile(r"%\((\w+)\)s")
@@ -161,9 +160,7 @@ def lost(exc: BaseException | None) -> BaseException | None:
                 return _driver_error(cause)
             continue
         fields = _fields(cause)
-        if fields is not None and (fields[0].startswith("08") or fields[0] in
-                                   _UNAVAILABLE_SQLSTATES or fields[0] == "XX000"
-                                   and fields[1].startswith(_CITUS_UNAVAILABLE_PREFIXES)):
+        if fields is not None and unavailable_state(fields[0], fields[1]):
             return cause
         if from_database and isinstance(cause, OSError):
             return cause

@@ -52,6 +52,7 @@ __all__ = [
     "KeyMismatch", "KeyNotFound", "LeaseLost", "LeaseLostCompleted", "LeaseLostNotFound",
     "PgCronNotInstalled", "ScopeNotGranted", "UsageError", "argument_too_large",
     "connection_lost", "from_psycopg", "from_sqlstate", "invalid_argument", "is_unavailable",
+    "unavailable_state",
 ]
 
 
@@ -349,8 +350,16 @@ def is_unavailable(exc: BaseException) -> bool:
     state = exc.sqlstate
     if state is None:
         return isinstance(exc, psycopg.OperationalError)
+    return unavailable_state(state, exc.diag.message_primary)
+
+
+def unavailable_state(state: str, message: str | None) -> bool:
+    """Whether a server error's SQLSTATE (and, for XX000, its primary message) says the
+    database cannot be reached: class 08, 57P01..57P03, or a Citus coordinator's XX000 for a
+    lost worker. One rule for every driver's error (psycopg's, asyncpg's, those under
+    SQLAlchemy)."""
     if state == "XX000":
-        return (exc.diag.message_primary or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
+        return (message or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
     return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
 
 
@@ -369,9 +378,7 @@ def _asyncpg_unavailable(exc: BaseException) -> bool:
     connection, or its InternalClientError (a connection whose protocol state broke)."""
     state = getattr(exc, "sqlstate", None)
     if isinstance(state, str):
-        if state == "XX000":
-            return str(getattr(exc, "message", "") or "").startswith(_CITUS_UNAVAILABLE_PREFIXES)
-        return state.startswith("08") or state in _UNAVAILABLE_SQLSTATES
+        return unavailable_state(state, str(getattr(exc, "message", "") or ""))
     if type(exc).__name__ == "InternalClientError":
         # asyncpg's protocol state broken on that connection ("another operation is in
         # progress" after a backend was terminated mid-statement): the connection is unusable,
